@@ -1,0 +1,141 @@
+"""Analytic parameter counts and training FLOPs per token.
+
+What is counted (training = forward + backward = 3 x forward; a matmul of an n-vector by an n x m matrix is
+2nm forward FLOPs):
+- every weight matmul a token pays for: attention q/k/v/o projections, the dense MLP or the *active*
+  experts (top_k of them) plus the router, the unembedding (lm_head), and NAG's modulator projection
+  (`direction @ weight.T`, C x d per sublayer);
+- attention scores and values as the **full T x T matrix** per layer (`QK^T` and `AV`, 2 x 2 x T x n_heads x
+  head_dim forward per token), causal or not — nanochat's and `torch.utils.flop_counter`'s convention;
+- with MoD (`executed`), a skipped token still pays K and V projections (later tokens attend to it) and its
+  modulator (the rotation score needs it); the query projection, its score/value rows and the output
+  projection of attention, and the whole FFN/MoE (router included), scale with the executed fraction.
+What is not counted: the embedding lookup, elementwise work (norms, NAG centring/projection/normalisation,
+RoPE, activations, softmax, residual adds, router top-k), the loss, and the optimizer step. These are
+O(d) per token against O(d^2) for the matmuls.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from nagmoe.config import ModelConfig
+from nagmoe.errors import UserError
+
+
+def _attention_dims(m: ModelConfig) -> tuple[int, int, int]:
+    a = m.attention
+    n_heads = a.n_heads
+    n_kv = a.n_kv_heads or n_heads
+    head_dim = a.head_dim or m.d_model // n_heads
+    return n_heads, n_kv, head_dim
+
+
+def expert_hidden(m: ModelConfig) -> int:
+    return m.moe.expert_hidden or (4 * m.d_model) // m.moe.top_k
+
+
+def _attention_params(m: ModelConfig) -> dict[str, int]:
+    if m.attention.kind != "mha":
+        raise UserError(f"model.attention.kind: accounting for {m.attention.kind!r} is not built yet")
+    n_heads, n_kv, hd = _attention_dims(m)
+    d = m.d_model
+    return {"q": d * n_heads * hd, "k": d * n_kv * hd, "v": d * n_kv * hd, "o": n_heads * hd * d}
+
+
+def param_counts(m: ModelConfig) -> dict[str, int]:
+    """Parameter counts of `build_model(m)`; `total` and `active` include embedding and unembedding."""
+    d, L, V = m.d_model, m.n_layers, m.vocab_size
+    counts = {"embedding": V * d, "unembedding": V * d}
+    counts["attention"] = L * sum(_attention_params(m).values())
+    counts["dense_mlp"] = counts["router"] = counts["experts"] = counts["experts_active"] = 0
+    if m.ffn == "dense":
+        counts["dense_mlp"] = L * 2 * d * (m.mlp_hidden or 4 * d)
+    else:
+        E, k, H = m.moe.n_experts, m.moe.top_k, expert_hidden(m)
+        counts["router"] = L * d * E
+        counts["experts"] = L * E * 2 * d * H
+        counts["experts_active"] = L * k * 2 * d * H
+    counts["nag_gates"] = counts["encode_gain"] = counts["mod_base"] = 0
+    if m.residual == "nag":
+        C = m.nag.C
+        counts["nag_gates"] = 2 * L * (C * d + 2 * C + 2)  # weight (C,d), bias, coef, beta_raw, alpha
+        counts["encode_gain"] = 1
+        if m.mod.skip_rate > 0:
+            counts["mod_base"] = 2 * L * d
+    shared = (counts["embedding"] + counts["unembedding"] + counts["attention"] + counts["dense_mlp"]
+              + counts["router"] + counts["nag_gates"] + counts["encode_gain"] + counts["mod_base"])
+    counts["total"] = shared + counts["experts"]
+    counts["active"] = shared + counts["experts_active"]
+    return counts
+
+
+Executed = Union[None, float, Sequence[float]]
+
+
+def _executed_per_sublayer(m: ModelConfig, executed: Executed) -> list[float]:
+    n = 2 * m.n_layers
+    if executed is None:
+        return [1.0] * n
+    if isinstance(executed, (int, float)):
+        fr = [float(executed)] * n
+    else:
+        fr = [float(x) for x in executed]
+        if len(fr) != n:
+            raise UserError(f"executed: expected {n} fractions (one per sublayer), got {len(fr)}")
+    for x in fr:
+        if not 0.0 <= x <= 1.0:
+            raise UserError(f"executed: fraction {x} is not in [0, 1]")
+    return fr
+
+
+def forward_flops_per_token(m: ModelConfig, seq_len: int, executed: Executed = None) -> dict[str, float]:
+    """Forward FLOPs per token by part (see the module docstring for the conventions)."""
+    fr = _executed_per_sublayer(m, executed)
+    d, L, V = m.d_model, m.n_layers, m.vocab_size
+    n_heads, _, hd = _attention_dims(m)
+    ap = _attention_params(m)
+    parts = {"attention_proj": 0.0, "attention_scores": 0.0, "ffn": 0.0, "router": 0.0, "modulator": 0.0}
+    for i in range(L):
+        e_att, e_ffn = fr[2 * i], fr[2 * i + 1]
+        parts["attention_proj"] += 2 * (ap["k"] + ap["v"]) + 2 * (ap["q"] + ap["o"]) * e_att
+        parts["attention_scores"] += 4 * n_heads * hd * seq_len * e_att  # QK^T and AV, full T x T
+        if m.ffn == "dense":
+            parts["ffn"] += 2 * 2 * d * (m.mlp_hidden or 4 * d) * e_ffn
+        else:
+            parts["ffn"] += 2 * m.moe.top_k * 2 * d * expert_hidden(m) * e_ffn
+            parts["router"] += 2 * d * m.moe.n_experts * e_ffn
+        if m.residual == "nag":
+            parts["modulator"] += 2 * 2 * m.nag.C * d  # both sublayers, paid for every token
+    parts["unembedding"] = 2.0 * d * V
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def flops_per_token(m: ModelConfig, seq_len: int, executed: Executed = None) -> float:
+    """Training FLOPs (forward + backward = 3 x forward) per token; `executed` is the executed fraction per
+    sublayer (a scalar for all, or 2 * n_layers values: attention and FFN of each block in order)."""
+    return 3.0 * forward_flops_per_token(m, seq_len, executed)["total"]
+
+
+def mod_token_ratio(m: ModelConfig, seq_len: int, executed: Executed) -> float:
+    """Ideal tokens under a fixed FLOP budget, relative to full depth: F(executed=1) / F(executed)."""
+    return flops_per_token(m, seq_len, 1.0) / flops_per_token(m, seq_len, executed)
+
+
+def mfu(flops_per_second: float, device_name: str, world_size: int = 1) -> Optional[float]:
+    """Model FLOPs utilisation against a per-device bf16 dense peak; None (N/A) on unknown hardware."""
+    peak = peak_flops(device_name)
+    return None if peak is None else flops_per_second / (peak * world_size)
+
+
+_PEAKS_BF16 = {  # dense bf16 tensor-core peaks from the vendors' data sheets
+    "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12,
+    "A100": 312e12, "B200": 2250e12,
+}
+
+
+def peak_flops(device_name: str) -> Optional[float]:
+    for key in sorted(_PEAKS_BF16, key=len, reverse=True):
+        if key.lower().replace(" ", "") in device_name.lower().replace(" ", "").replace("-", ""):
+            return _PEAKS_BF16[key]
+    return None

@@ -1,0 +1,73 @@
+"""Pick a valid MoE layout for a target total / active parameter count at a width-to-depth ratio.
+
+Search space (small, exhaustive): n_layers, d_model a multiple of the head dim with d_model / n_layers
+close to the ratio, head_dim in {64, 128}, n_experts, top_k, expert_hidden a multiple of 64 and at most 4 x d_model. Counts come from
+`nagmoe.flops.param_counts`, so the solver and the accounting can never disagree. The score is the worse of
+the relative errors (total, active; of the NAG model and its pre-norm twin), plus a small penalty for missing the ratio.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from nagmoe.config import ModelConfig
+from nagmoe.flops import param_counts
+
+
+@dataclass
+class Layout:
+    model: ModelConfig
+    total: int
+    active: int
+    ratio: float
+    error: float
+
+
+def _with(m: ModelConfig, d: int, L: int, hd: int, E: int, k: int, H: int) -> ModelConfig:
+    c = copy.deepcopy(m)
+    c.d_model, c.n_layers = d, L
+    c.attention.n_heads, c.attention.head_dim, c.attention.n_kv_heads = d // hd, None, None
+    c.ffn = "moe"
+    c.moe.n_experts, c.moe.top_k, c.moe.expert_hidden = E, k, H
+    if c.residual == "nag":
+        c.nag.C = max(c.nag.C, E)
+    return c
+
+
+def solve_layout(base: ModelConfig, total: float, active: float, ratio: float,
+                 experts=(8, 16, 32, 64, 128), top_ks=(1, 2, 4, 8), head_dims=(64, 128),
+                 ratio_tolerance: float = 0.1, max_hidden_mult: float = 4.0,
+                 both_residuals: bool = True) -> Layout:
+    best = None
+    for L in range(4, 97):
+        for hd in head_dims:
+            d = max(hd, round(ratio * L / hd) * hd)
+            r = d / L
+            if abs(r / ratio - 1) > ratio_tolerance:
+                continue
+            for E in experts:
+                for k in top_ks:
+                    if k > E:
+                        continue
+                    # active is linear in H: solve for H from the target, then round to 64.
+                    c0 = param_counts(_with(base, d, L, hd, E, k, 64))
+                    c1 = param_counts(_with(base, d, L, hd, E, k, 128))
+                    slope = (c1["active"] - c0["active"]) / 64
+                    H_exact = 64 + (active - c0["active"]) / slope
+                    for H in {max(64, int(H_exact // 64) * 64), max(64, int(H_exact // 64 + 1) * 64)}:
+                        if H > max_hidden_mult * d:  # keep experts no wider than a dense MLP
+                            continue
+                        c = _with(base, d, L, hd, E, k, H)
+                        n = param_counts(c)
+                        err = max(abs(n["total"] / total - 1), abs(n["active"] / active - 1))
+                        if both_residuals:  # the pre-norm twin (no NAG gates) must hit the targets too
+                            twin = copy.deepcopy(c)
+                            twin.residual = "prenorm"
+                            nb = param_counts(twin)
+                            err = max(err, abs(nb["total"] / total - 1), abs(nb["active"] / active - 1))
+                        score = err + abs(r / ratio - 1)  # both errors count alike
+                        if best is None or score < best[0]:
+                            best = (score, Layout(c, n["total"], n["active"], r, err))
+    if best is None:
+        raise ValueError(f"no layout found for ratio {ratio}")
+    return best[1]

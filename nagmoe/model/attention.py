@@ -1,0 +1,150 @@
+"""Attention sublayers, chosen by `model.attention.kind` through a small registry.
+
+Legend: B batch, T sequence, D model width, H query heads, K key/value heads (GQA: H % K == 0),
+S head dim, R rotary dims (the leading R of S; rope_fraction < 1 leaves the rest unrotated).
+
+Every attention module is built as `Cls(d_model, attn_cfg, init_std=None)` and called as
+`forward(x_BTD) -> (y_BTD, None)`, the same call shape as the FFN sublayers. The score computation is picked
+by `model.attention.impl` through `nagmoe.ops.registry`: `sdpa` (F.scaled_dot_product_attention, the
+default) or `math` (explicit matmuls with a causal mask: the reference and the FLOP-counter's target).
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nagmoe.errors import UserError
+from nagmoe.model.common import init_linear_uniform, rms_norm
+from nagmoe.ops.registry import Registry
+
+ATTENTION_IMPL = Registry("attention", reference="math")
+ATTENTION_IMPL.register("sdpa")  # first: what `auto` resolves to
+ATTENTION_IMPL.register("math")
+
+
+def resolve_attention_impl(requested: str) -> str:
+    try:
+        return ATTENTION_IMPL.resolve(requested)
+    except ValueError:
+        raise UserError(f"model.attention.impl: {requested!r} is not available "
+                        f"(known here: auto, {', '.join(ATTENTION_IMPL.names())})") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rotary position embedding and the score computation
+# ----------------------------------------------------------------------------------------------------------
+def rotary_dims(head_dim: int, rope_fraction: float) -> int:
+    """Rotary dims R: the largest even number <= rope_fraction * head_dim."""
+    return int(head_dim * rope_fraction) // 2 * 2
+
+
+def rope_tables(seq_len: int, rot_dims: int, base: float, device, offset: int = 0):
+    """cos, sin of shape (T, R/2), fp32: angle(t, i) = (t + offset) * base^(-2i/R). Computed per call (cheap)
+    so the module has no buffers to move, cast or re-initialise."""
+    inv_freq = base ** (-torch.arange(0, rot_dims, 2, device=device, dtype=torch.float32) / rot_dims)
+    pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(pos, inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x_BTHS: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+    """Rotate the leading R dims of each head in pairs (first half, second half), fp32 math:
+    (x1, x2) -> (x1·cos + x2·sin, -x1·sin + x2·cos); dims beyond R pass through."""
+    half = cos_TR.shape[-1]
+    if half == 0:
+        return x_BTHS
+    rot, rest = x_BTHS[..., : 2 * half].float(), x_BTHS[..., 2 * half:]
+    x1, x2 = rot[..., :half], rot[..., half:]
+    cos, sin = cos_TR[None, :, None, :], sin_TR[None, :, None, :]
+    rotated = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).to(x_BTHS.dtype)
+    return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
+
+
+def causal_attention(q_BHTS: torch.Tensor, k_BKTS: torch.Tensor, v_BKTS: torch.Tensor, impl: str) -> torch.Tensor:
+    """softmax(q kᵀ / sqrt(S) + causal mask) v, with K <= H key/value heads shared by H/K query heads each."""
+    n_rep = q_BHTS.shape[1] // k_BKTS.shape[1]
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q_BHTS, k_BKTS, v_BKTS, is_causal=True, enable_gqa=n_rep > 1)
+    # math: the explicit reference (softmax in fp32)
+    k_BHTS = k_BKTS.repeat_interleave(n_rep, dim=1)
+    v_BHTS = v_BKTS.repeat_interleave(n_rep, dim=1)
+    T = q_BHTS.shape[2]
+    scores_BHTT = (q_BHTS @ k_BHTS.transpose(-2, -1)).float() / math.sqrt(q_BHTS.shape[-1])
+    future_TT = torch.ones(T, T, dtype=torch.bool, device=q_BHTS.device).triu(1)
+    scores_BHTT = scores_BHTT.masked_fill(future_TT, float("-inf"))
+    probs_BHTT = torch.softmax(scores_BHTT, dim=-1).to(v_BHTS.dtype)
+    return probs_BHTT @ v_BHTS
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Multi-head / grouped-query attention
+# ----------------------------------------------------------------------------------------------------------
+class MultiHeadAttention(nn.Module):
+    """MHA/GQA: c_q, c_k, c_v, c_proj (zero-init), no biases; RoPE on q and k; parameter-free QK RMS-norm."""
+
+    def __init__(self, d_model: int, attn_cfg, init_std: Optional[float] = None):
+        super().__init__()
+        self.n_heads = attn_cfg.n_heads
+        self.n_kv_heads = attn_cfg.n_kv_heads or attn_cfg.n_heads
+        self.head_dim = attn_cfg.head_dim or d_model // attn_cfg.n_heads
+        self.qk_norm = attn_cfg.qk_norm
+        self.rope_base = attn_cfg.rope_base
+        self.rot_dims = rotary_dims(self.head_dim, attn_cfg.rope_fraction)
+        self.impl = resolve_attention_impl(attn_cfg.impl)
+        self.init_std = init_std if init_std is not None else d_model ** -0.5
+        self.c_q = nn.Linear(d_model, self.n_heads * self.head_dim, bias=False)
+        self.c_k = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.c_v = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(self.n_heads * self.head_dim, d_model, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for lin in (self.c_q, self.c_k, self.c_v):
+            init_linear_uniform(lin, self.init_std)
+        nn.init.zeros_(self.c_proj.weight)
+
+    def forward(self, x_BTD: torch.Tensor):
+        B, T, _ = x_BTD.shape
+        q_BTHS = self.c_q(x_BTD).view(B, T, self.n_heads, self.head_dim)
+        k_BTKS = self.c_k(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        v_BTKS = self.c_v(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        cos, sin = rope_tables(T, self.rot_dims, self.rope_base, x_BTD.device)
+        q_BTHS, k_BTKS = apply_rope(q_BTHS, cos, sin), apply_rope(k_BTKS, cos, sin)
+        if self.qk_norm:
+            q_BTHS, k_BTKS = rms_norm(q_BTHS), rms_norm(k_BTKS)
+        y_BHTS = causal_attention(q_BTHS.transpose(1, 2), k_BTKS.transpose(1, 2), v_BTKS.transpose(1, 2),
+                                  self.impl)
+        y_BTD = self.c_proj(y_BHTS.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return y_BTD, None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Registry: kind -> class. Kinds implemented in other modules are imported when first asked for.
+# ----------------------------------------------------------------------------------------------------------
+ATTENTION_KINDS: dict[str, Callable[..., nn.Module]] = {"mha": MultiHeadAttention}
+_LAZY_KINDS = {"cca": ("nagmoe.model.cca", "CCAttention")}
+
+
+def register_attention(kind: str, cls: Callable[..., nn.Module]) -> None:
+    ATTENTION_KINDS[kind] = cls
+
+
+def build_attention(d_model: int, attn_cfg, init_std: Optional[float] = None) -> nn.Module:
+    kind = attn_cfg.kind
+    if kind not in ATTENTION_KINDS and kind in _LAZY_KINDS:
+        module_name, cls_name = _LAZY_KINDS[kind]
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            raise UserError(f"model.attention.kind: {kind!r} is not implemented yet") from None
+        ATTENTION_KINDS[kind] = getattr(module, cls_name)
+    if kind not in ATTENTION_KINDS:
+        raise UserError(f"model.attention.kind: {kind!r} is not one of {', '.join(ATTENTION_KINDS)}")
+    return ATTENTION_KINDS[kind](d_model, attn_cfg, init_std=init_std)

@@ -1,0 +1,33 @@
+"""Dense feed-forward sublayer: c_fc -> ReLU² -> c_proj (zero-init), no biases.
+
+Legend: B batch, T sequence, D model width, F hidden width.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nagmoe.model.common import init_linear_uniform
+
+
+class DenseMLP(nn.Module):
+    """y = c_proj(relu(c_fc(x))²); hidden defaults to 4·d. Returns (y, None), the sublayer call shape."""
+
+    def __init__(self, d_model: int, hidden: Optional[int] = None, init_std: Optional[float] = None):
+        super().__init__()
+        self.hidden = hidden or 4 * d_model
+        self.init_std = init_std if init_std is not None else d_model ** -0.5
+        self.c_fc = nn.Linear(d_model, self.hidden, bias=False)
+        self.c_proj = nn.Linear(self.hidden, d_model, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init_linear_uniform(self.c_fc, self.init_std)
+        nn.init.zeros_(self.c_proj.weight)
+
+    def forward(self, x_BTD: torch.Tensor):
+        h_BTF = F.relu(self.c_fc(x_BTD)).square()
+        return self.c_proj(h_BTF), None

@@ -1,0 +1,34 @@
+"""The CLI: bad input gives one line on stderr and exit code 2, never a traceback."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def nagmoe(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "nagmoe", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["config", "--config", "does/not/exist.yaml"], "does/not/exist.yaml"),
+    (["config", "--config", "configs/tiny.yaml", "model.n_layerz=3"], "model.n_layerz"),
+    (["config", "--config", "configs/tiny.yaml", "model.d_model=wide"], "model.d_model"),
+    (["config", "--config", "configs/tiny.yaml", "model.n_layers"], "key.sub=value"),
+    (["config"], "--config"),
+])
+def test_bad_input_exits_2_with_one_line(args, needle, repo_root):
+    r = nagmoe(*args, cwd=repo_root)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("usage:")
+             and not line.startswith("  ")]
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0]
+
+
+def test_config_prints_resolved_yaml(repo_root):
+    r = nagmoe("config", "--config", "configs/tiny-prenorm.yaml", "model.n_layers=3", cwd=repo_root)
+    assert r.returncode == 0, r.stderr
+    assert "residual: prenorm" in r.stdout and "n_layers: 3" in r.stdout
