@@ -4,8 +4,8 @@ Notation (see reference/nag.md): d = width; the stream is R = rho * R_bar with t
 (norm sqrt(d)) and the log-norm s = log rho, one fp32 scalar per token. R itself is never materialised.
 Shapes: vectors `(..., d)`; `log_norm`, `scale`, `m` are `(...)`.
 
-All three functions compute in fp32 whatever the input dtype (the direction travels in the compute dtype,
-bf16 on GPU) and return the direction in its input dtype, the log-norm in fp32.
+All functions compute in at least fp32 (fp64 inputs stay fp64; the direction travels in the compute dtype,
+bf16 on GPU) and return the direction in its input dtype, the log-norm in fp32 (or wider).
 """
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ import torch.nn.functional as F
 _TINY = 1e-12
 # Below this |alpha| the rotation score uses its limit m (arctan(a*m)/arctan(a) = m + O(a^2)).
 _ALPHA_LIMIT = 1e-4
+
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """x in its accumulation dtype: at least fp32."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def rms_normalise(x: torch.Tensor) -> torch.Tensor:
@@ -33,10 +38,10 @@ def branch_direction(direction: torch.Tensor, branch_out: torch.Tensor, eps: flo
         u      = sqrt(d) * f_perp / sqrt(||f_perp||^2 + eps)
 
     eps keeps the Jacobian finite at f_perp = 0 (then u = 0: no rotation and, in `nag_update`, no norm
-    gain), so gradient still reaches a zero-initialised output projection. fp32 in and out.
+    gain), so gradient still reaches a zero-initialised output projection. Returned in >= fp32.
     """
-    f = branch_out.float()
-    r = direction.float()
+    f = _acc(branch_out)
+    r = _acc(direction)
     d = f.shape[-1]
     f = f - f.mean(-1, keepdim=True)
     along = (f * r).sum(-1, keepdim=True) / ((r * r).sum(-1, keepdim=True) + _TINY)
@@ -57,11 +62,11 @@ def nag_update(log_norm: torch.Tensor, direction: torch.Tensor, branch_out: torc
     input direction's dtype).
     """
     u = branch_direction(direction, branch_out, eps)
-    g = torch.as_tensor(scale, device=u.device).float()
+    g = _acc(torch.as_tensor(scale, device=u.device))
     g_vec = g.unsqueeze(-1) if g.dim() > 0 else g
-    new_direction = rms_normalise(direction.float() + g_vec * u).to(direction.dtype)
+    new_direction = rms_normalise(_acc(direction) + g_vec * u).to(direction.dtype)
     gain = 0.5 * torch.log1p(g.pow(2) * u.pow(2).mean(-1))
-    return log_norm.float() + gain, new_direction
+    return _acc(log_norm) + gain, new_direction
 
 
 def modulator(direction: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, coef: torch.Tensor,
@@ -73,9 +78,9 @@ def modulator(direction: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     The base is a convex combination of sigmoids, in [0, 1]; the floor avoids the infinite gradient of
     x**beta at x = 0 when beta < 1 (the NaN run of the reimplementation), the ceiling only absorbs rounding.
     """
-    logits = F.linear(direction, weight, bias).float()  # (..., C)
-    base = (torch.sigmoid(logits) * torch.softmax(coef.float(), dim=-1)).sum(-1)
-    beta = F.softplus(beta_raw.float())
+    logits = _acc(F.linear(direction, weight, bias))  # (..., C)
+    base = (torch.sigmoid(logits) * torch.softmax(_acc(coef), dim=-1)).sum(-1)
+    beta = F.softplus(_acc(beta_raw))
     return base.clamp(floor, 1.0).pow(beta)
 
 
@@ -83,8 +88,8 @@ def rotation_score(alpha: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """r = arctan(alpha·m) / arctan(alpha) ∈ [0, 1]: the rotation a sublayer would apply as a fraction of
     its ceiling arctan(alpha). Guarded: for |alpha| -> 0 the limit is m; a negative alpha gives the same r
     as |alpha| (arctan is odd), so r stays in [0, 1] because m ∈ [0, 1]."""
-    alpha = torch.as_tensor(alpha, device=m.device).float()
-    m = m.float()
+    alpha = _acc(torch.as_tensor(alpha, device=m.device))
+    m = _acc(m)
     small = alpha.abs() < _ALPHA_LIMIT
     safe_alpha = torch.where(small, torch.ones_like(alpha), alpha)  # no 0/0, no NaN gradient
     r = torch.atan(safe_alpha * m) / torch.atan(safe_alpha)

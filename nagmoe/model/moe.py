@@ -1,0 +1,148 @@
+"""Dropless token-choice top-k Mixture-of-Experts FFN with ReLU² experts and auxiliary losses on autograd.
+
+Shape legend: B batch, T sequence length, D model width, N = B·T tokens of the micro-batch, E experts,
+K = top_k, H expert hidden width, S = N·K routing slots (one per (token, choice) pair).
+
+Pipeline of one forward call:
+  1. route    logits_NE = x_ND @ W_rᵀ in fp32 (autocast off); probs_NE = softmax; top-k -> expert_NK, gate_NK.
+              Gate weights are the raw top-k softmax probabilities, NOT renormalised over the k (as OLMoE):
+              the LM loss then reaches the router through the gates even for top-1, and a token whose
+              probability mass is spread over unchosen experts gets a smaller update.
+  2. dispatch slots sorted by expert (stable argsort), each slot a copy of its token: x_SD. No capacity,
+              no token dropped.
+  3. experts  y_SD = relu(x_SD @ w_in[e])² @ w_out[e], by the backend from `nagmoe.ops.grouped_experts`.
+  4. combine  unpermute the slots back to (N, K, D) and sum with the gate weights,
+              y_ND = Σ_k gate_NK · y_NKD. A permutation + sum over K instead of index_add: no colliding
+              scatter, so CUDA runs are deterministic too.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nagmoe.config import MoEConfig
+from nagmoe.errors import UserError
+from nagmoe.model.roles import MATRIX, ROUTER
+from nagmoe.ops.grouped_experts import EXPERT_FORWARD, resolve_expert_backend
+
+
+class Router(nn.Linear):
+    """`Linear(d, E, bias=False)` whose weight is an AdamW "router" parameter (never Muon); logits in fp32."""
+
+    param_roles = {"weight": ROUTER}
+
+    def __init__(self, d_model: int, n_experts: int):
+        super().__init__(d_model, n_experts, bias=False)
+
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x_ND.device.type, enabled=False):
+            return F.linear(x_ND.float(), self.weight.float())
+
+
+def load_balancing_loss(probs_NE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:
+    """LB = E · Σ_e f_e · P_e, with f_e = counts_e / (N·K) (fraction of routing slots, no gradient) and
+    P_e = mean_n probs_ne. Equals 1 when either f or P is uniform (the balanced minimum) and E when every
+    slot and all probability go to one expert."""
+    N, E = probs_NE.shape
+    if N == 0:
+        return probs_NE.sum() * 0.0
+    f_E = counts_E.to(probs_NE.dtype) / (N * top_k)
+    P_E = probs_NE.mean(0)
+    return E * (f_E * P_E).sum()
+
+
+def router_z_loss(logits_NE: torch.Tensor) -> torch.Tensor:
+    """Z = mean_n (logsumexp_e logits_ne)²: keeps router logits small (ST-MoE)."""
+    if logits_NE.shape[0] == 0:
+        return logits_NE.sum() * 0.0
+    return torch.logsumexp(logits_NE, dim=-1).square().mean()
+
+
+class MoELayer(nn.Module):
+    """Dropless top-k MoE FFN: `forward(x_BTD) -> (y_BTD, aux_loss)`.
+
+    Parameters: `router.weight (E, D)` (role router), `w_in (E, D, H)` and `w_out (E, H, D)` (role matrix;
+    `w_out` zero-initialised, so a fresh layer outputs 0 like the dense MLP). H = cfg.expert_hidden, or
+    4·D / top_k (the active width of the dense MLP) when unset.
+
+    Auxiliary losses and micro-batches (docs/architecture.md): per forward call — one micro-batch on one
+    rank — with N = B·T tokens, `aux_loss = lb_loss_weight · LB + z_loss_weight · Z` where
+    `LB = E · Σ_e f_e · P_e` (f_e = fraction of the N·K routing slots that chose expert e, P_e = mean router
+    probability of e over the N tokens; minimum 1 for a perfectly balanced router) and
+    `Z = mean_n (logsumexp_e logits_ne)²`. The losses are statistics of this micro-batch only, nothing is
+    carried across calls. The trainer divides `loss + aux_loss` by the number of micro-steps like the
+    cross-entropy, so a step's aux loss is the MEAN over micro-batches of the per-micro-batch losses (not the
+    loss of the concatenated batch: f·P is not linear in the batch); a distributed run averages the same
+    per-(rank, micro-batch) losses over ranks, which equals one process running those micro-batches in turn.
+
+    After each forward, `last_stats` holds detached tensors of that call: `lb_loss`, `z_loss` (0-dim fp32,
+    unweighted) and `tokens_per_expert` (LongTensor (E,), routing slots per expert; sums to N·K).
+    """
+
+    param_roles = {"w_in": MATRIX, "w_out": MATRIX}
+
+    def __init__(self, d_model: int, cfg: MoEConfig, init_std: Optional[float] = None):
+        super().__init__()
+        if cfg.n_experts < 1 or not 1 <= cfg.top_k <= cfg.n_experts:
+            raise UserError(f"model.moe.top_k: {cfg.top_k} must be in [1, model.moe.n_experts={cfg.n_experts}]")
+        hidden = cfg.expert_hidden if cfg.expert_hidden is not None else max(1, 4 * d_model // cfg.top_k)
+        if hidden < 1:
+            raise UserError(f"model.moe.expert_hidden: {hidden} must be > 0")
+        self.d_model, self.n_experts, self.top_k, self.hidden = d_model, cfg.n_experts, cfg.top_k, hidden
+        self.lb_loss_weight, self.z_loss_weight = cfg.lb_loss_weight, cfg.z_loss_weight
+        self.init_std = init_std if init_std is not None else d_model ** -0.5
+        self.backend = resolve_expert_backend(cfg.impl)
+        self.router = Router(d_model, cfg.n_experts)
+        self.w_in = nn.Parameter(torch.empty(cfg.n_experts, d_model, hidden))
+        self.w_out = nn.Parameter(torch.empty(cfg.n_experts, hidden, d_model))
+        self.last_stats: dict[str, torch.Tensor] = {}
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Uniform with std init_std (bound sqrt(3)·std), like a linear layer reading a unit-RMS input.
+        bound = 3 ** 0.5 * self.init_std
+        nn.init.uniform_(self.router.weight, -bound, bound)
+        nn.init.uniform_(self.w_in, -bound, bound)
+        nn.init.zeros_(self.w_out)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, n_experts={self.n_experts}, top_k={self.top_k}, hidden={self.hidden}, "
+                f"backend={self.backend}")
+
+    def run_experts(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Expert MLPs on slots sorted by expert (the seam an expert-parallel dispatcher replaces)."""
+        return EXPERT_FORWARD[self.backend](x_SD, self.w_in, self.w_out, counts_E)
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, D = x_BTD.shape
+        N, E, K = B * T, self.n_experts, self.top_k
+        x_ND = x_BTD.reshape(N, D)
+
+        # 1. route (fp32)
+        logits_NE = self.router(x_ND)
+        probs_NE = logits_NE.softmax(dim=-1)
+        gate_NK, expert_NK = probs_NE.topk(K, dim=-1)  # not renormalised over the k (module docstring)
+        counts_E = torch.bincount(expert_NK.reshape(-1), minlength=E)
+
+        lb = load_balancing_loss(probs_NE, counts_E, K)
+        z = router_z_loss(logits_NE)
+        aux_loss = self.lb_loss_weight * lb + self.z_loss_weight * z
+
+        # 2. dispatch: slot s = n·K + k; sort slots by expert (stable: token order within an expert)
+        order_S = torch.argsort(expert_NK.reshape(-1), stable=True)
+        x_SD = x_ND.unsqueeze(1).expand(N, K, D).reshape(N * K, D)[order_S]
+
+        # 3. experts
+        y_SD = self.run_experts(x_SD, counts_E)
+
+        # 4. combine: undo the sort, then y_ND = Σ_k gate_NK · y_NKD
+        unsort_S = torch.empty_like(order_S)
+        unsort_S[order_S] = torch.arange(N * K, device=order_S.device)
+        y_NKD = y_SD[unsort_S].view(N, K, D)
+        y_ND = (y_NKD * gate_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(dim=1)
+
+        self.last_stats = {"lb_loss": lb.detach(), "z_loss": z.detach(), "tokens_per_expert": counts_E.detach()}
+        return y_ND.view(B, T, D), aux_loss

@@ -1,0 +1,217 @@
+"""Residual streams: how the stream is encoded from the embedding, how a sublayer's output enters it, and
+how it is decoded into logits. Chosen by `model.residual` through `RESIDUAL_STREAMS` (name -> class).
+
+Legend: B batch, T sequence, D model width, V vocabulary, C modulator directions.
+
+The transformer's loop is the same for every stream:
+    state = stream.encode(wte, idx_BT)
+    for index, sublayer in enumerate(sublayers):          # index k = NAG sublayer l - 1
+        state, aux = stream.apply(index, sublayer, state)  # sublayer(x_BTD) -> (y_BTD, aux or None)
+    logits_BTV = stream.decode(state, lm_head)             # fp32
+Each call takes an optional `stats` (a StatsCollector); with `stats=None` nothing extra is computed.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nagmoe.model.roles import GATE, SCALAR
+from nagmoe.model.common import rms_norm
+from nagmoe.model.nag import modulator, nag_update, rms_normalise
+from nagmoe.model.stats import StatsCollector, mean_angle, mean_log_rms, mean_rms
+
+_TINY = 1e-12
+
+
+def compute_dtype(like: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for this device, else the tensor's own dtype."""
+    if torch.is_autocast_enabled(like.device.type):
+        return torch.get_autocast_dtype(like.device.type)
+    return like.dtype
+
+
+class ResidualStream(nn.Module):
+    """Interface. `head_init_std` is the std the transformer initialises the unembedding with."""
+
+    def __init__(self, model_cfg, n_sublayers: int):
+        super().__init__()
+        self.d_model = model_cfg.d_model
+        self.n_sublayers = n_sublayers
+
+    def head_init_std(self) -> float:
+        raise NotImplementedError
+
+    def encode(self, wte: nn.Embedding, idx_BT: torch.Tensor, stats: Optional[StatsCollector] = None):
+        raise NotImplementedError
+
+    def apply(self, index: int, sublayer: nn.Module, state, stats: Optional[StatsCollector] = None):
+        raise NotImplementedError
+
+    def decode(self, state, lm_head: nn.Linear, stats: Optional[StatsCollector] = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def set_injection_warmup(self, factor: float) -> None:
+        """Only NAG has an injection warm-up; other streams ignore it."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pre-norm baseline
+# ----------------------------------------------------------------------------------------------------------
+class PreNormResidual(ResidualStream):
+    """x0 = rmsnorm(wte[idx]) (nanochat); x <- x + f(rmsnorm(x)); logits = softcap·tanh(head(rmsnorm(x)) / softcap).
+
+    A softcap <= 0 turns the cap off."""
+
+    def __init__(self, model_cfg, n_sublayers: int):
+        super().__init__(model_cfg, n_sublayers)
+        self.logit_softcap = model_cfg.logit_softcap
+
+    def head_init_std(self) -> float:
+        return 0.001  # nanochat: a near-zero head, so the first logits are ~uniform
+
+    def encode(self, wte, idx_BT, stats=None):
+        return rms_norm(wte(idx_BT))
+
+    def apply(self, index, sublayer, x_BTD, stats=None):
+        y_BTD, aux = sublayer(rms_norm(x_BTD))
+        out_BTD = x_BTD + y_BTD
+        if stats is not None:
+            stats.add_sublayer(
+                log_norm_in=mean_log_rms(x_BTD), log_norm_out=mean_log_rms(out_BTD),
+                rotation_angle=mean_angle(x_BTD, out_BTD),
+                stream_rms_in=mean_rms(x_BTD), stream_rms_out=mean_rms(out_BTD))
+        return out_BTD, aux
+
+    def decode(self, x_BTD, lm_head, stats=None):
+        logits_BTV = lm_head(rms_norm(x_BTD)).float()
+        if self.logit_softcap > 0:
+            logits_BTV = self.logit_softcap * torch.tanh(logits_BTV / self.logit_softcap)
+        return logits_BTV
+
+
+# ----------------------------------------------------------------------------------------------------------
+# NAG: two lanes, direction (RMS 1, compute dtype) and log-norm (fp32)
+# ----------------------------------------------------------------------------------------------------------
+class NAGState(NamedTuple):
+    log_norm_BT: torch.Tensor  # s = log rho, fp32
+    direction_BTD: torch.Tensor  # R_bar, RMS 1, compute dtype
+
+
+class NAGGate(nn.Module):
+    """The gate of one NAG sublayer: the modulator m(R_bar) ∈ [0, 1] and the ceiling alpha.
+
+    Init (reference/nag.md): weight ~ N(0, 1/d), bias 0, coef 0 (uniform softmax), softplus(beta_raw) =
+    beta_init, alpha = l^(-1/2) for the 1-based sublayer index l."""
+
+    param_roles = {"weight": GATE, "bias": GATE, "coef": GATE, "beta_raw": GATE, "alpha": GATE}
+
+    def __init__(self, d_model: int, n_directions: int, sublayer_number: int, beta_init: float = 1.0,
+                 floor: float = 1e-6):
+        super().__init__()
+        self.d_model = d_model
+        self.sublayer_number = sublayer_number
+        self.beta_init = beta_init
+        self.floor = floor
+        self.weight = nn.Parameter(torch.empty(n_directions, d_model))
+        self.bias = nn.Parameter(torch.empty(n_directions))
+        self.coef = nn.Parameter(torch.empty(n_directions))
+        self.beta_raw = nn.Parameter(torch.empty(()))
+        self.alpha = nn.Parameter(torch.empty(()))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.d_model ** -0.5)
+        nn.init.zeros_(self.bias)
+        nn.init.zeros_(self.coef)
+        with torch.no_grad():
+            self.beta_raw.fill_(math.log(math.expm1(self.beta_init)))  # softplus^-1(beta_init)
+            self.alpha.fill_(self.sublayer_number ** -0.5)
+
+    def modulator(self, direction_BTD: torch.Tensor) -> torch.Tensor:
+        return modulator(direction_BTD, self.weight, self.bias, self.coef, self.beta_raw, self.floor)
+
+    def beta(self) -> torch.Tensor:
+        return F.softplus(self.beta_raw.float())
+
+
+class NAGResidual(ResidualStream):
+    """Norm-agnostic residual stream (reference/nag.md).
+
+    encode: e = centre(wte[idx]) (centred in the forward, not normalised);
+            s0 = log RMS(e) + g_encode;  R_bar0 = e / RMS(e)
+    apply:  m = modulator(R_bar); g = alpha·m·warmup; f = F(R_bar); (s, R_bar) <- nag_update(s, R_bar, f, g)
+    decode: W = rms_normalise(centre(W_U)) in the forward;  logits = exp(s_L)·cos(R_bar_L, W[v]), fp32, no cap.
+    """
+
+    param_roles = {"g_encode": SCALAR}
+
+    def __init__(self, model_cfg, n_sublayers: int):
+        super().__init__(model_cfg, n_sublayers)
+        nag = model_cfg.nag
+        self.eps = nag.eps
+        self.init_std = model_cfg.init_std if model_cfg.init_std is not None else model_cfg.d_model ** -0.5
+        self.g_encode = nn.Parameter(torch.zeros((), dtype=torch.float32))  # log-space encode gain
+        self.gates = nn.ModuleList(
+            NAGGate(model_cfg.d_model, nag.C, index + 1, nag.beta_init, nag.gain_floor)
+            for index in range(n_sublayers))
+        # Injection warm-up factor in [0, 1], set by the trainer each step; not saved (the trainer re-sets it).
+        self.register_buffer("injection_warmup", torch.ones((), dtype=torch.float32), persistent=False)
+
+    def head_init_std(self) -> float:
+        return self.init_std  # rows are renormalised in the forward; only their direction matters
+
+    def set_injection_warmup(self, factor: float) -> None:
+        self.injection_warmup.fill_(float(factor))
+
+    def encode(self, wte, idx_BT, stats=None):
+        e_BTD = wte(idx_BT).float()
+        e_BTD = e_BTD - e_BTD.mean(-1, keepdim=True)
+        mean_sq_BT = e_BTD.pow(2).mean(-1)
+        log_norm_BT = 0.5 * torch.log(mean_sq_BT + _TINY) + self.g_encode.float()
+        direction_BTD = e_BTD * torch.rsqrt(mean_sq_BT + _TINY).unsqueeze(-1)
+        if stats is not None:
+            stats.add_scalar(g_encode=self.g_encode, injection_warmup=self.injection_warmup)
+        return NAGState(log_norm_BT, direction_BTD.to(compute_dtype(wte.weight)))
+
+    def apply(self, index, sublayer, state, stats=None):
+        log_norm_BT, direction_BTD = state
+        gate = self.gates[index]
+        m_BT = gate.modulator(direction_BTD)
+        scale_BT = gate.alpha.float() * m_BT * self.injection_warmup
+        f_BTD, aux = sublayer(direction_BTD)
+        new_log_norm_BT, new_direction_BTD = nag_update(log_norm_BT, direction_BTD, f_BTD, scale_BT, self.eps)
+        if stats is not None:
+            self._record(stats, gate, state, new_log_norm_BT, new_direction_BTD, m_BT, scale_BT)
+        return NAGState(new_log_norm_BT, new_direction_BTD), aux
+
+    def decode(self, state, lm_head, stats=None):
+        log_norm_BT, direction_BTD = state
+        with torch.autocast(device_type=direction_BTD.device.type, enabled=False):
+            w_VD = lm_head.weight.float()
+            w_VD = rms_normalise(w_VD - w_VD.mean(-1, keepdim=True))
+            # both sides RMS 1, i.e. norm sqrt(d): cos = <R_bar, W[v]> / d; the per-token factor exp(s)/d is
+            # folded into the (B, T, D) side so only one (B, T, V) tensor is allocated
+            factor_BT = log_norm_BT.float().exp() / self.d_model
+            return F.linear(rms_normalise(direction_BTD.float()) * factor_BT.unsqueeze(-1), w_VD)
+
+    @torch.no_grad()
+    def _record(self, stats, gate, state_in, log_norm_BT, direction_BTD, m_BT, scale_BT):
+        # the modulator base sits at the floor exactly when m = floor ** beta
+        at_floor = m_BT <= (gate.floor ** gate.beta()) * (1 + 1e-4)
+        stats.add_sublayer(
+            log_norm_in=state_in.log_norm_BT.mean(), log_norm_out=log_norm_BT.mean(),
+            rotation_angle=mean_angle(state_in.direction_BTD, direction_BTD),
+            alpha=gate.alpha, beta=gate.beta(),
+            m_mean=m_BT.mean(), m_min=m_BT.min(), m_floor_frac=at_floor.float().mean(),
+            gain_mean=scale_BT.abs().mean())
+
+
+RESIDUAL_STREAMS = {"prenorm": PreNormResidual, "nag": NAGResidual}
+
+
+def build_residual_stream(model_cfg, n_sublayers: int) -> ResidualStream:
+    return RESIDUAL_STREAMS[model_cfg.residual](model_cfg, n_sublayers)

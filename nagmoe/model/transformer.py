@@ -1,0 +1,111 @@
+"""The language model: embed -> blocks (attention sublayer, FFN sublayer) -> decode.
+
+Legend: B batch, T sequence, D model width, V vocabulary.
+
+The residual stream (`model.residual`), the attention (`model.attention.kind`) and the FFN (`model.ffn`) are
+picked by name; the block loop is the same for all of them (see residual.py). Block i holds sublayer
+indices 2i (attention, NAG l = 2i+1) and 2i+1 (FFN, NAG l = 2i+2).
+
+Init (nanochat-like): embedding N(0, 1); input projections uniform with std `model.init_std` (default
+d^-0.5); output projections (c_proj, expert w_out) zero; unembedding std from the residual stream (0.001
+for pre-norm; d^-0.5 for NAG, whose rows are renormalised in the forward anyway).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nagmoe.model.attention import build_attention
+from nagmoe.model.mlp import DenseMLP
+from nagmoe.model.residual import build_residual_stream
+from nagmoe.model.roles import UNEMBEDDING
+from nagmoe.model.stats import StatsCollector
+
+IGNORE_INDEX = -1  # targets < 0 are not scored
+
+
+class ModelOutput(NamedTuple):
+    logits: Optional[torch.Tensor]  # (B, T, V) fp32, only when no targets were given
+    loss: Optional[torch.Tensor]  # fp32 cross-entropy; (B, T) with reduction="none"
+    aux_loss: torch.Tensor  # 0-dim: sum of the (already weighted) MoE auxiliary losses; 0. for dense
+    stats: Optional[dict]  # residual-stream statistics (stats.py) when collected, else None
+
+
+class Unembedding(nn.Linear):
+    """The untied output head `lm_head: Linear(d, V, bias=False)`, with its own optimizer role."""
+
+    param_roles = {"weight": UNEMBEDDING}
+
+
+def build_ffn(model_cfg, init_std: Optional[float]) -> nn.Module:
+    if model_cfg.ffn == "moe":
+        from nagmoe.model.moe import MoELayer  # lazy: only MoE configs need it
+
+        return MoELayer(model_cfg.d_model, model_cfg.moe, init_std=init_std)
+    return DenseMLP(model_cfg.d_model, model_cfg.mlp_hidden, init_std)
+
+
+class Block(nn.Module):
+    def __init__(self, model_cfg):
+        super().__init__()
+        self.attn = build_attention(model_cfg.d_model, model_cfg.attention, model_cfg.init_std)
+        self.ffn = build_ffn(model_cfg, model_cfg.init_std)
+
+
+class Transformer(nn.Module):
+    def __init__(self, model_cfg):
+        super().__init__()
+        self.config = model_cfg
+        self.wte = nn.Embedding(model_cfg.vocab_size, model_cfg.d_model)
+        self.blocks = nn.ModuleList(Block(model_cfg) for _ in range(model_cfg.n_layers))
+        self.lm_head = Unembedding(model_cfg.d_model, model_cfg.vocab_size, bias=False)
+        self.stream = build_residual_stream(model_cfg, 2 * model_cfg.n_layers)
+        # Statistics are off unless asked for (`model.collect_stats`, this attribute, or forward's argument).
+        self.collect_stats = bool(getattr(model_cfg, "collect_stats", False))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise the tables; sublayers and gates initialise themselves on construction."""
+        nn.init.normal_(self.wte.weight, std=1.0)
+        nn.init.normal_(self.lm_head.weight, std=self.stream.head_init_std())
+
+    def sublayers(self):
+        """The sublayers in stream order: block 0 attention, block 0 FFN, block 1 attention, ..."""
+        for block in self.blocks:
+            yield block.attn
+            yield block.ffn
+
+    def set_injection_warmup(self, factor: float) -> None:
+        """NAG injection warm-up factor in [0, 1] (the trainer sets min(1, tokens / model.nag.warmup_tokens));
+        the gate scale is alpha·m·factor. A no-op for the pre-norm stream."""
+        if not 0.0 <= factor <= 1.0:
+            raise ValueError(f"injection warm-up factor must be in [0, 1], got {factor}")
+        self.stream.set_injection_warmup(factor)
+
+    def forward(self, idx_BT: torch.Tensor, targets_BT: Optional[torch.Tensor] = None, reduction: str = "mean",
+                collect_stats: Optional[bool] = None) -> ModelOutput:
+        want_stats = self.collect_stats if collect_stats is None else collect_stats
+        stats = StatsCollector() if want_stats else None
+        state = self.stream.encode(self.wte, idx_BT, stats)
+        aux_loss = torch.zeros((), dtype=torch.float32, device=idx_BT.device)
+        for index, sublayer in enumerate(self.sublayers()):
+            state, aux = self.stream.apply(index, sublayer, state, stats)
+            if aux is not None:
+                aux_loss = aux_loss + aux
+        logits_BTV = self.stream.decode(state, self.lm_head, stats)
+        loss = None
+        if targets_BT is not None:
+            loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction=reduction)
+            if reduction == "none":
+                loss = loss.view_as(targets_BT)
+            logits_BTV = None
+        return ModelOutput(logits_BTV, loss, aux_loss, stats.as_dict() if stats is not None else None)
+
+
+def build_model(model_cfg) -> Transformer:
+    """The model for `config.model` (already validated by nagmoe.config)."""
+    return Transformer(model_cfg)

@@ -1,0 +1,112 @@
+"""Run directories: the resolved config, provenance (git commit, versions, backends), resume checks."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+from nagmoe.config import RESUMABLE_KEYS, Config, config_from_dict, dump_yaml, to_dict, yaml_load
+from nagmoe.errors import UserError
+
+CONFIG_FILE = "config.yaml"
+RUN_INFO_FILE = "run_info.json"
+SUMMARY_FILE = "summary.json"
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_differences(saved: Config, new: Config) -> list[str]:
+    """Keys (other than the schedule-length ones a resume may change) whose values differ."""
+    a, b = _flatten(to_dict(saved)), _flatten(to_dict(new))
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and k not in RESUMABLE_KEYS]
+
+
+def read_saved_config(run_dir: str):
+    path = os.path.join(run_dir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return config_from_dict(yaml_load(f) or {}, validate=False)
+
+
+def prepare_run_dir(run_dir: str, cfg: Config, resuming: bool, force: bool = False) -> None:
+    """Refuse a resume whose config differs beyond the schedule-length keys (unless forced); write the
+    resolved config atomically."""
+    os.makedirs(run_dir, exist_ok=True)
+    saved = read_saved_config(run_dir)
+    if resuming and saved is not None:
+        diffs = config_differences(saved, cfg)
+        if diffs and not force:
+            raise UserError(f"{os.path.join(run_dir, CONFIG_FILE)}: resuming with a different config "
+                            f"({'; '.join(diffs[:3])}{' ...' if len(diffs) > 3 else ''}); only "
+                            f"{', '.join(RESUMABLE_KEYS)} may change (pass --force to override)")
+    tmp = os.path.join(run_dir, CONFIG_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(dump_yaml(cfg))
+    os.replace(tmp, os.path.join(run_dir, CONFIG_FILE))
+
+
+def git_commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if out.returncode:
+        return "unknown"
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def write_run_info(run_dir: str, backends: dict, device: str, extra: dict | None = None) -> dict:
+    import numpy
+    import torch
+
+    import nagmoe
+
+    info = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv,
+        "git_commit": git_commit(),
+        "versions": {"nagmoe": nagmoe.__version__, "python": platform.python_version(),
+                     "torch": torch.__version__, "numpy": numpy.__version__},
+        "host": platform.node(),
+        "device": device,
+        "backends": backends,
+        **(extra or {}),
+    }
+    path = os.path.join(run_dir, RUN_INFO_FILE)
+    history = []
+    if os.path.isfile(path):  # keep earlier (pre-resume) starts
+        try:
+            with open(path) as f:
+                prev = json.load(f)
+            history = prev.get("previous", []) + [{k: v for k, v in prev.items() if k != "previous"}]
+        except (OSError, ValueError):
+            history = []
+    info["previous"] = history
+    with open(path + ".tmp", "w") as f:
+        json.dump(info, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return info
+
+
+def write_summary(run_dir: str, summary: dict) -> None:
+    path = os.path.join(run_dir, SUMMARY_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(path + ".tmp", path)
