@@ -116,6 +116,7 @@ class DataConfig:
     val_fraction: float = 0.05
     num_proc: int = 1
     shard_tokens: int = 1 << 24
+    verify_shards: bool = True  # sha256 of every shard at open; false = sizes only (huge corpora)
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 
 from nagmoe.config import Config
 from nagmoe.data import shards
-from nagmoe.data.loader import TokenLoader, TokenShards, iter_eval_batches
+from nagmoe.data.loader import TokenLoader, TokenShards, check_data_vocab, iter_eval_batches
 from nagmoe.data.bpb import bits_per_byte, bpb_sums, token_bytes
 from nagmoe.errors import UserError
 from nagmoe.flops import flops_per_token
@@ -86,8 +86,10 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.model = build_model(m).to(self.device)
         self.optim = build_optimizers(self.model, t)
-        self.loader = TokenLoader(cfg.data.data_dir, "train", seq, self.micro_rows, t.seed, rank, world_size)
-        self.val_shards = TokenShards(cfg.data.data_dir, "val")
+        verify = cfg.data.verify_shards
+        self.loader = TokenLoader(cfg.data.data_dir, "train", seq, self.micro_rows, t.seed, rank, world_size,
+                                  verify=verify)
+        self.val_shards = TokenShards(cfg.data.data_dir, "val", verify=verify)
         self.token_bytes = token_bytes(cfg.data.data_dir)
         self.progress = Progress()
         if latest is not None:
@@ -114,10 +116,7 @@ class Trainer:
         index_path = os.path.join(d, shards.INDEX)
         if not os.path.isfile(index_path):
             raise UserError(f"{index_path}: no prepared data; run `nagmoe prepare-data --config ...` first")
-        index = shards.read_index(d)
-        if index["vocab_size"] != self.cfg.model.vocab_size:
-            raise UserError(f"{index_path}: tokenizer vocab {index['vocab_size']} != model.vocab_size "
-                            f"{self.cfg.model.vocab_size}")
+        check_data_vocab(d, self.cfg.model.vocab_size)
 
     def _init_wandb(self):
         mode = self.cfg.log.wandb

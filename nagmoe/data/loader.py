@@ -1,0 +1,161 @@
+"""Resumable, rank-sharded loader over packed token shards (format: `nagmoe.data.shards`).
+
+Legend: B = rows per batch on this rank, T = seq_len, R = world size, W = windows in the split.
+
+Windows. Window w of the split is `seq_len + 1` ids of one shard starting at a multiple of seq_len
+(x = w[:-1], y = w[1:]); windows are numbered shard by shard, so window ids are a plain range(W).
+
+Order. Epoch e visits windows in the order `perm_e = default_rng([seed, e]).permutation(W)`. The global
+batch g of an epoch is `perm_e[g·R·B : (g+1)·R·B]`; rank r takes its rows `[r·B : (r+1)·B]`. So ranks are
+disjoint and together cover the epoch, and R ranks with B rows see exactly the batches of one process with
+R·B rows. The last `W mod (R·B)` windows of each epoch's order are skipped (every rank runs the same number
+of steps); the next epoch reshuffles, so no window is skipped systematically.
+
+Resume. `state_dict()` holds (epoch, windows consumed this epoch, data fingerprint, seed, seq_len);
+`load_state_dict()` continues at exactly the next batch. A different world size resumes exactly too when
+the global batch R·B divides the windows consumed (e.g. the same global batch on more ranks).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Iterator, Optional, Union
+
+import numpy as np
+import torch
+
+from nagmoe.data import shards
+from nagmoe.data.bpb import bits_per_byte, bpb_sums, token_bytes, unigram_bpb  # noqa: F401  (re-exported)
+from nagmoe.errors import UserError
+
+
+def check_data_vocab(data_dir: str, vocab_size: int) -> None:
+    """The trainer's guard: data tokenised with another vocabulary than model.vocab_size is a UserError."""
+    index = shards.read_index(data_dir)
+    if index["vocab_size"] != vocab_size:
+        raise UserError(f"tokenizer/model vocab mismatch: {os.path.join(data_dir, index['tokenizer'])} "
+                        f"(see {shards.INDEX}) has {index['vocab_size']} tokens, model.vocab_size={vocab_size}")
+
+
+class TokenShards:
+    """The memmapped shards of one split, checked at open (sizes always, sha256 when verify)."""
+
+    def __init__(self, data_dir: str, split: str, verify: bool = True):
+        self.data_dir, self.split = data_dir, split
+        self.index = shards.read_index(data_dir)
+        self.records = shards.split_records(self.index, split, os.path.join(data_dir, shards.INDEX))
+        self.arrays = []
+        for rec in self.records:
+            path = os.path.join(data_dir, rec["file"])
+            shards.verify_shard(path, rec, checksum=verify)
+            self.arrays.append(np.memmap(path, dtype=rec["dtype"], mode="r"))
+        self.vocab_size: int = self.index["vocab_size"]
+        self.bos_id: int = self.index["bos_id"]
+        self.n_tokens = sum(len(a) for a in self.arrays)
+        self.fingerprint = hashlib.sha256(
+            "\n".join(r["sha256"] for r in self.records).encode()).hexdigest()[:16]
+
+    def window_starts(self, seq_len: int) -> np.ndarray:
+        """offsets[s] = id of the first window of shard s; offsets[-1] = W."""
+        per_shard = [max(0, (len(a) - 1) // seq_len) for a in self.arrays]
+        return np.concatenate([[0], np.cumsum(per_shard)]).astype(np.int64)
+
+    def gather(self, window_ids: np.ndarray, seq_len: int, offsets: np.ndarray) -> np.ndarray:
+        """(len(window_ids), seq_len + 1) int64 rows."""
+        shard_of = np.searchsorted(offsets, window_ids, side="right") - 1
+        rows = np.empty((len(window_ids), seq_len + 1), dtype=np.int64)
+        for i, (w, s) in enumerate(zip(window_ids.tolist(), shard_of.tolist())):
+            start = (w - int(offsets[s])) * seq_len
+            rows[i] = self.arrays[s][start:start + seq_len + 1]
+        return rows
+
+
+def _to_xy(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.from_numpy(rows)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def _check_positive(**kw) -> None:
+    for name, v in kw.items():
+        if not isinstance(v, int) or v <= 0:
+            raise UserError(f"{name}: {v!r} must be a positive integer")
+
+
+class TokenLoader:
+    """Infinite iterator of (x_BT, y_BT) int64 training batches for one data-parallel rank."""
+
+    def __init__(self, data_dir: str, split: str, seq_len: int, batch_size_rows: int, seed: int,
+                 rank: int = 0, world_size: int = 1, verify: bool = True):
+        _check_positive(seq_len=seq_len, batch_size_rows=batch_size_rows, world_size=world_size)
+        if not 0 <= rank < world_size:
+            raise UserError(f"rank {rank} is outside [0, world_size={world_size})")
+        self.data = TokenShards(data_dir, split, verify=verify)
+        self.split, self.seq_len, self.batch_size_rows, self.seed = split, seq_len, batch_size_rows, seed
+        self.rank, self.world_size = rank, world_size
+        self._offsets = self.data.window_starts(seq_len)
+        self.n_windows = int(self._offsets[-1])
+        self.global_rows = world_size * batch_size_rows
+        if self.n_windows < self.global_rows:
+            raise UserError(f"{os.path.join(data_dir, shards.INDEX)}: the {split} split has {self.n_windows} "
+                            f"windows of {seq_len + 1} tokens, fewer than one global batch of {self.global_rows} "
+                            "rows; use a smaller batch or seq_len, or more data")
+        self.batches_per_epoch = self.n_windows // self.global_rows
+        self.epoch, self.batch_in_epoch = 0, 0
+        self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def __iter__(self) -> "TokenLoader":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.batch_in_epoch >= self.batches_per_epoch:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        first = self.batch_in_epoch * self.global_rows + self.rank * self.batch_size_rows
+        ids = self._permutation(self.epoch)[first:first + self.batch_size_rows]
+        self.batch_in_epoch += 1
+        return _to_xy(self.data.gather(ids, self.seq_len, self._offsets))
+
+    def state_dict(self) -> dict:
+        """JSON-able position: the next call after load_state_dict returns the batch that would come next."""
+        return {"split": self.split, "seq_len": self.seq_len, "seed": self.seed,
+                "fingerprint": self.data.fingerprint, "n_windows": self.n_windows, "epoch": self.epoch,
+                "windows_done": self.batch_in_epoch * self.global_rows}
+
+    def load_state_dict(self, state: dict) -> None:
+        now = {"split": self.split, "seq_len": self.seq_len, "seed": self.seed, "fingerprint": self.data.fingerprint}
+        for key, value in now.items():
+            if state.get(key) != value:
+                raise UserError(f"loader state does not match this data: {key}={state.get(key)!r} in the "
+                                f"checkpoint, {value!r} now ({self.data.data_dir})")
+        done = int(state["windows_done"])
+        if done % self.global_rows:
+            raise UserError(f"loader state: {done} windows consumed is not a multiple of the global batch "
+                            f"({self.world_size} ranks x {self.batch_size_rows} rows); keep the global batch")
+        self.epoch, self.batch_in_epoch = int(state["epoch"]), done // self.global_rows
+
+
+def iter_eval_batches(data: Union[str, TokenShards], seq_len: int, batch_size_rows: int, split: str = "val",
+                      max_tokens: Optional[int] = None, rank: int = 0, world_size: int = 1,
+                      verify: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic pass over a split: windows in stored order, batches of B consecutive windows (the last
+    may be shorter), batch k on rank k mod R. `max_tokens` keeps the first max(1, max_tokens // seq_len)
+    windows. Pass a `TokenShards` to evaluate repeatedly without re-verifying the shards."""
+    _check_positive(seq_len=seq_len, batch_size_rows=batch_size_rows, world_size=world_size)
+    if not 0 <= rank < world_size:
+        raise UserError(f"rank {rank} is outside [0, world_size={world_size})")
+    shards_ = data if isinstance(data, TokenShards) else TokenShards(data, split, verify=verify)
+    offsets = shards_.window_starts(seq_len)
+    n = int(offsets[-1])
+    if max_tokens is not None:
+        n = min(n, max(1, max_tokens // seq_len))
+    if n == 0:
+        raise UserError(f"{shards_.data_dir}: the {shards_.split} split holds no window of {seq_len + 1} tokens")
+    for k, first in enumerate(range(0, n, batch_size_rows)):
+        if k % world_size == rank:
+            ids = np.arange(first, min(first + batch_size_rows, n), dtype=np.int64)
+            yield _to_xy(shards_.gather(ids, seq_len, offsets))
