@@ -6,13 +6,25 @@ What is counted (training = forward + backward = 3 x forward; a matmul of an n-v
   experts (top_k of them) plus the router, the unembedding (lm_head), and NAG's modulator projection
   (`direction @ weight.T`, C x d per sublayer);
 - attention scores and values as the **full T x T matrix** per layer (`QK^T` and `AV`, 2 x 2 x T x n_heads x
-  head_dim forward per token), causal or not — nanochat's and `torch.utils.flop_counter`'s convention;
+  head_dim forward per token, n_heads = the *query* heads), causal or not — nanochat's and
+  `torch.utils.flop_counter`'s convention;
+- CCA / CCGQA (`model.attention.kind=cca`, reference/cca.md): the latent projections q (d x H·S), k and v
+  (d x K·S each) and o (H·S x d), with H = n_heads / q_compression query heads and K = n_heads /
+  kv_compression key/value heads of head dim S; the scores run in the latent, 4·H·S·T per token (the S²
+  term shrinks with the *query* compression); the two causal convolutions on the C = (H + K)·S channels of
+  [q|k] count 2 x their kernel weights per token: depthwise C·k1, grouped per head C·S·k2 (biases are not
+  FLOPs). With H·S = d these are the paper's Table II: params 2d²/C1 + 2d²/C2 + conv, forward FLOPs
+  (1/C1 + 1/C2)·4d² + 4dT/C1 + conv per token;
 - with MoD (`executed`), a skipped token still pays K and V projections (later tokens attend to it) and its
   modulator (the rotation score needs it); the query projection, its score/value rows and the output
   projection of attention, and the whole FFN/MoE (router included), scale with the executed fraction.
+  CCA's convolutions and q-k mean need every token's raw q and k latents, so for CCA the q projection and
+  the convolutions are paid for every token too; only the scores/values rows and o scale.
 What is not counted: the embedding lookup, elementwise work (norms, NAG centring/projection/normalisation,
-RoPE, activations, softmax, residual adds, router top-k), the loss, and the optimizer step. These are
-O(d) per token against O(d^2) for the matmuls.
+RoPE, activations, softmax, residual adds, router top-k, CCA's q-k mean, value shift and temperature), the
+loss, and the optimizer step. These are O(d) per token against O(d^2) for the matmuls.
+Parameter counts include everything `build_model` creates (CCA: conv kernels *and* biases, and the K
+per-kv-head temperatures).
 """
 from __future__ import annotations
 
@@ -22,12 +34,41 @@ from nagmoe.config import ModelConfig
 from nagmoe.errors import UserError
 
 
-def _attention_dims(m: ModelConfig) -> tuple[int, int, int]:
+def attention_heads(m: ModelConfig) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of the attention `build_model(m)` builds.
+
+    mha: n_heads, n_kv_heads (None = n_heads), head_dim (None = d_model // n_heads).
+    cca: `n_heads` is the head count of the uncompressed reference attention (head dim d_model // n_heads
+    unless set); compression removes heads and keeps the head dim (Zyphra's geometry): n_heads /
+    q_compression query heads, n_heads / kv_compression key/value heads; CCA when the two are equal, CCGQA
+    (each kv head shared by a group of query heads) when kv_compression is a multiple of q_compression.
+    `model.attention.n_kv_heads` is not used by cca.
+    """
     a = m.attention
-    n_heads = a.n_heads
-    n_kv = a.n_kv_heads or n_heads
-    head_dim = a.head_dim or m.d_model // n_heads
-    return n_heads, n_kv, head_dim
+    head_dim = a.head_dim or m.d_model // a.n_heads
+    if a.kind != "cca":
+        return a.n_heads, a.n_kv_heads or a.n_heads, head_dim
+    for key, c in (("q_compression", a.q_compression), ("kv_compression", a.kv_compression)):
+        if c < 1 or a.n_heads % c:
+            raise UserError(f"model.attention.{key}: {c} must divide model.attention.n_heads={a.n_heads} "
+                            "(CCA compresses by using fewer heads)")
+    n_q, n_kv = a.n_heads // a.q_compression, a.n_heads // a.kv_compression
+    if n_q % n_kv:
+        raise UserError(f"model.attention.kv_compression: {a.kv_compression} must be a multiple of "
+                        f"model.attention.q_compression={a.q_compression} (each kv head serves whole query "
+                        "heads)")
+    return n_q, n_kv, head_dim
+
+
+def cca_conv_weights(m: ModelConfig) -> int:
+    """Kernel weights of CCA's two causal convolutions over C = (H + K)·S channels: depthwise C·k1, then
+    grouped with one group per head (H + K groups of S channels) C·S·k2. 0 without convs or for mha."""
+    a = m.attention
+    if a.kind != "cca" or not a.use_convs:
+        return 0
+    n_q, n_kv, hd = attention_heads(m)
+    channels = (n_q + n_kv) * hd
+    return channels * a.conv_kernel_1 + channels * hd * a.conv_kernel_2
 
 
 def expert_hidden(m: ModelConfig) -> int:
@@ -35,11 +76,17 @@ def expert_hidden(m: ModelConfig) -> int:
 
 
 def _attention_params(m: ModelConfig) -> dict[str, int]:
-    if m.attention.kind != "mha":
-        raise UserError(f"model.attention.kind: accounting for {m.attention.kind!r} is not built yet")
-    n_heads, n_kv, hd = _attention_dims(m)
+    """Parameters of one attention sublayer by part."""
+    if m.attention.kind not in ("mha", "cca"):
+        raise UserError(f"model.attention.kind: no accounting for {m.attention.kind!r}")
+    n_heads, n_kv, hd = attention_heads(m)
     d = m.d_model
-    return {"q": d * n_heads * hd, "k": d * n_kv * hd, "v": d * n_kv * hd, "o": n_heads * hd * d}
+    p = {"q": d * n_heads * hd, "k": d * n_kv * hd, "v": d * n_kv * hd, "o": n_heads * hd * d}
+    if m.attention.kind == "cca":
+        channels = (n_heads + n_kv) * hd
+        p["conv"] = cca_conv_weights(m) + (2 * channels if m.attention.use_convs else 0)  # + both biases
+        p["temperature"] = n_kv
+    return p
 
 
 def param_counts(m: ModelConfig) -> dict[str, int]:
@@ -92,12 +139,19 @@ def forward_flops_per_token(m: ModelConfig, seq_len: int, executed: Executed = N
     """Forward FLOPs per token by part (see the module docstring for the conventions)."""
     fr = _executed_per_sublayer(m, executed)
     d, L, V = m.d_model, m.n_layers, m.vocab_size
-    n_heads, _, hd = _attention_dims(m)
+    n_heads, _, hd = attention_heads(m)
     ap = _attention_params(m)
-    parts = {"attention_proj": 0.0, "attention_scores": 0.0, "ffn": 0.0, "router": 0.0, "modulator": 0.0}
+    cca = m.attention.kind == "cca"
+    # projections every token pays for (MoD: later tokens attend to its K, V; CCA's convs/q-k mean need q0)
+    always = ap["k"] + ap["v"] + (ap["q"] if cca else 0)
+    executed_only = ap["o"] + (0 if cca else ap["q"])
+    conv = cca_conv_weights(m)
+    parts = {"attention_proj": 0.0, "attention_conv": 0.0, "attention_scores": 0.0, "ffn": 0.0, "router": 0.0,
+             "modulator": 0.0}
     for i in range(L):
         e_att, e_ffn = fr[2 * i], fr[2 * i + 1]
-        parts["attention_proj"] += 2 * (ap["k"] + ap["v"]) + 2 * (ap["q"] + ap["o"]) * e_att
+        parts["attention_proj"] += 2 * always + 2 * executed_only * e_att
+        parts["attention_conv"] += 2 * conv  # on every token's [q0|k0]
         parts["attention_scores"] += 4 * n_heads * hd * seq_len * e_att  # QK^T and AV, full T x T
         if m.ffn == "dense":
             parts["ffn"] += 2 * 2 * d * (m.mlp_hidden or 4 * d) * e_ffn

@@ -1,17 +1,26 @@
 """Pick a valid MoE layout for a target total / active parameter count at a width-to-depth ratio.
 
 Search space (small, exhaustive): n_layers, d_model a multiple of the head dim with d_model / n_layers
-close to the ratio, head_dim in {64, 128}, n_experts, top_k, expert_hidden a multiple of 64 and at most 4 x d_model. Counts come from
-`nagmoe.flops.param_counts`, so the solver and the accounting can never disagree. The score is the worse of
-the relative errors (total, active; of the NAG model and its pre-norm twin), plus a small penalty for missing the ratio.
+close to the ratio, head_dim in {64, 128} (or the base config's `attention.head_dim` when it sets one),
+n_experts (multiples of 8, so expert parallelism up to 8 divides them), top_k, expert_hidden a multiple of
+64 and at most 4 x d_model. Counts come from `nagmoe.flops.param_counts`, so the solver and the accounting
+can never disagree. The score is the worse of the relative errors (total, active; of the NAG model and its
+pre-norm twin), plus a small penalty for missing the ratio.
+
+The attention kind and its compression are inputs (default: the base config's): n_heads = d_model /
+head_dim is the reference head count, and for CCA/CCGQA only widths whose head count the compressions divide
+are considered (H = n_heads / q_compression query heads, K = n_heads / kv_compression kv heads). CCA's
+attention is ~1/C of MHA's parameters, which the solver gives back to depth, width or experts.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Optional
 
 from nagmoe.config import ModelConfig
-from nagmoe.flops import param_counts
+from nagmoe.errors import UserError
+from nagmoe.flops import attention_heads, param_counts
 
 
 @dataclass
@@ -34,16 +43,37 @@ def _with(m: ModelConfig, d: int, L: int, hd: int, E: int, k: int, H: int) -> Mo
     return c
 
 
+def _heads_fit(c: ModelConfig) -> bool:
+    """Whether the attention geometry exists (CCA: the compressions divide the head count)."""
+    try:
+        attention_heads(c)
+    except UserError:
+        return False
+    return True
+
+
 def solve_layout(base: ModelConfig, total: float, active: float, ratio: float,
-                 experts=(8, 16, 32, 64, 128), top_ks=(1, 2, 4, 8), head_dims=(64, 128),
+                 experts=(8, 16, 24, 32, 48, 64, 96, 128), top_ks=(1, 2, 4, 8), head_dims=None,
                  ratio_tolerance: float = 0.1, max_hidden_mult: float = 4.0,
-                 both_residuals: bool = True) -> Layout:
+                 both_residuals: bool = True, attention_kind: Optional[str] = None,
+                 q_compression: Optional[int] = None, kv_compression: Optional[int] = None) -> Layout:
+    """The layout closest to the targets; `attention_kind` (mha | cca) and the CCA compressions default to
+    the base config's."""
+    base = copy.deepcopy(base)
+    a = base.attention
+    a.kind = attention_kind or a.kind
+    a.q_compression = q_compression or a.q_compression
+    a.kv_compression = kv_compression or a.kv_compression
+    if head_dims is None:
+        head_dims = (a.head_dim,) if a.head_dim else (64, 128)
     best = None
     for L in range(4, 97):
         for hd in head_dims:
             d = max(hd, round(ratio * L / hd) * hd)
             r = d / L
             if abs(r / ratio - 1) > ratio_tolerance:
+                continue
+            if not _heads_fit(_with(base, d, L, hd, experts[0], 1, 64)):
                 continue
             for E in experts:
                 for k in top_ks:
@@ -69,5 +99,6 @@ def solve_layout(base: ModelConfig, total: float, active: float, ratio: float,
                         if best is None or score < best[0]:
                             best = (score, Layout(c, n["total"], n["active"], r, err))
     if best is None:
-        raise ValueError(f"no layout found for ratio {ratio}")
+        raise ValueError(f"no layout found for ratio {ratio} with attention {a.kind} "
+                         f"(q_compression {a.q_compression}, kv_compression {a.kv_compression})")
     return best[1]

@@ -4,10 +4,24 @@ import os
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
 from nagmoe.config import load_config
 from nagmoe.flops import flops_per_token, mod_token_ratio, param_counts, peak_flops
+
+
+def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
+                        _output_padding, _groups, output_mask, out_shape=None, **kwargs):
+    """Backward of a (non-transposed) conv: grad_input and grad_weight each cost the forward's FLOPs.
+    torch's own formula (torch 2.13) drops the group division in grad_weight, which overcounts grouped and
+    depthwise convs (CCA's) by up to the channel count; see pytorch/pytorch PR #183405."""
+    assert not transposed
+    forward = conv_flop_count(x_shape, w_shape, grad_out_shape)
+    return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
+
+
+def flop_counter():
+    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flop})
 
 TINY_OVERRIDES = ["model.d_model=64", "model.n_layers=2", "model.vocab_size=256", "model.attention.n_heads=4",
                   "model.moe.expert_hidden=96", "model.max_seq_len=64", "data.seq_len=64",
@@ -31,22 +45,77 @@ def test_param_counts_equal_numel(repo_root, residual, ffn):
     assert counts["total"] == counts["active"] + counts["experts"] - counts["experts_active"]
 
 
-@pytest.mark.parametrize("residual, ffn", VARIANTS)
-def test_flops_match_torch_counter_on_reference_paths(repo_root, residual, ffn):
-    """Per-expert loop and explicit-matmul attention, so the counter sees every FLOP; 3 batches of routing."""
+# configs/tiny.yaml is CCA (2x); these cover the other attention geometries (nag + moe)
+ATTENTIONS = {
+    "mha": ["model.attention.kind=mha"],
+    "gqa": ["model.attention.kind=mha", "model.attention.n_kv_heads=2"],
+    "ccgqa": ["model.attention.n_heads=8", "model.attention.q_compression=2", "model.attention.kv_compression=8",
+              "model.attention.conv_kernel_1=3"],
+    "cca-no-convs": ["model.attention.use_convs=false", "model.attention.use_value_shift=false"],
+}
+
+
+def _measure_and_expect(cfg):
     from nagmoe.model import build_model
 
-    cfg = tiny_cfg(repo_root, residual, ffn, ["model.attention.impl=math", "model.moe.impl=loop"])
     torch.manual_seed(0)
     model = build_model(cfg.model)
     B, T = 2, cfg.data.seq_len
     idx = torch.randint(0, cfg.model.vocab_size, (B, T))
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         out = model(idx, idx)
         (out.loss + out.aux_loss).backward()
-    measured = counter.get_total_flops() / (B * T)
-    expected = flops_per_token(cfg.model, T)
+    return counter.get_total_flops() / (B * T), flops_per_token(cfg.model, T)
+
+
+@pytest.mark.parametrize("residual, ffn", VARIANTS)
+def test_flops_match_torch_counter_on_reference_paths(repo_root, residual, ffn):
+    """Per-expert loop and explicit-matmul attention, so the counter sees every FLOP; 3 batches of routing."""
+    cfg = tiny_cfg(repo_root, residual, ffn, ["model.attention.impl=math", "model.moe.impl=loop"])
+    measured, expected = _measure_and_expect(cfg)
     assert measured == pytest.approx(expected, rel=0.05), (measured, expected)
+
+
+@pytest.mark.parametrize("attention", list(ATTENTIONS))
+def test_attention_kinds_counts_and_flops(repo_root, attention):
+    from nagmoe.model import build_model
+
+    cfg = tiny_cfg(repo_root, "nag", "moe",
+                   ["model.attention.impl=math", "model.moe.impl=loop", *ATTENTIONS[attention]])
+    assert param_counts(cfg.model)["total"] == sum(p.numel() for p in build_model(cfg.model).parameters())
+    measured, expected = _measure_and_expect(cfg)
+    assert measured == pytest.approx(expected, rel=0.05), (measured, expected)
+
+
+@pytest.mark.parametrize("c", [2, 4])
+def test_cca_attention_is_cheaper_than_mha(repo_root, c):
+    """CCA with compression C: ~1/C of the attention projection parameters; the T x T term scales with the
+    query heads."""
+    from nagmoe.flops import attention_heads, cca_conv_weights, forward_flops_per_token
+
+    cca = tiny_cfg(repo_root, "nag", "moe", [f"model.attention.q_compression={c}",
+                                             f"model.attention.kv_compression={c}"])
+    mha = tiny_cfg(repo_root, "nag", "moe", ["model.attention.kind=mha"])
+    a, b = param_counts(cca.model)["attention"], param_counts(mha.model)["attention"]
+    H, K, S = attention_heads(cca.model)
+    assert (H, K) == (4 // c, 4 // c) and S == 64 // 4
+    extras = cca_conv_weights(cca.model) + 2 * (H + K) * S + K  # conv kernels and biases, temperatures
+    assert a == b // c + cca.model.n_layers * extras
+    fa, fb = forward_flops_per_token(cca.model, 64), forward_flops_per_token(mha.model, 64)
+    assert fa["attention_scores"] == fb["attention_scores"] / c
+    assert fb["attention_conv"] == 0 < fa["attention_conv"]
+
+
+def test_cca_mod_pays_q_and_convs_for_every_token(repo_root):
+    from nagmoe.flops import forward_flops_per_token
+
+    cfg = tiny_cfg(repo_root, "nag", "moe")
+    full, half = forward_flops_per_token(cfg.model, 64, 1.0), forward_flops_per_token(cfg.model, 64, 0.5)
+    d, L = cfg.model.d_model, cfg.model.n_layers
+    latent = d // cfg.model.attention.q_compression  # o is latent x d
+    assert full["attention_conv"] == half["attention_conv"]
+    assert full["attention_proj"] - half["attention_proj"] == L * 2 * d * latent * 0.5  # only o scales
+    assert half["attention_scores"] == full["attention_scores"] / 2
 
 
 def test_mod_executed_fraction_lowers_flops_and_gives_token_ratio(repo_root):
@@ -93,6 +162,31 @@ def test_solver_hits_targets(repo_root):
     assert lay.error < 0.05 and abs(lay.ratio / 40 - 1) < 0.1
     assert lay.model.d_model % lay.model.attention.n_heads == 0
     assert lay.model.nag.C >= lay.model.moe.n_experts
+
+
+@pytest.mark.parametrize("kind, c1, c2", [("mha", None, None), ("cca", 4, 4), ("cca", 2, 8)])
+def test_solver_takes_attention_kind_and_compression(repo_root, kind, c1, c2):
+    from nagmoe.flops import attention_heads
+    from nagmoe.layout_solver import solve_layout
+
+    cfg = load_config(os.path.join(repo_root, "configs/paper/base.yaml"))
+    lay = solve_layout(cfg.model, 900e6, 150e6, 80, attention_kind=kind, q_compression=c1, kv_compression=c2)
+    a = lay.model.attention
+    assert a.kind == kind and lay.error < 0.05
+    assert a.head_dim is None and lay.model.d_model // a.n_heads == 64  # base.yaml fixes head_dim 64
+    n_q, n_kv, _ = attention_heads(lay.model)
+    if kind == "cca":
+        assert (n_q, n_kv) == (a.n_heads // c1, a.n_heads // c2)
+    assert param_counts(lay.model)["total"] == lay.total
+
+
+def test_paper_configs_use_cca_and_budget_is_50b_tokens():
+    for path in PAPER:
+        cfg = load_config(path)
+        assert cfg.model.attention.kind == "cca"
+        if os.path.basename(path).startswith("nag-"):
+            tokens = cfg.train.flop_budget / flops_per_token(cfg.model, cfg.data.seq_len)
+            assert tokens == pytest.approx(50e9, rel=1e-4)
 
 
 def test_peak_flops_unknown_hardware_is_none():

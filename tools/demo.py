@@ -1,7 +1,8 @@
 """`make demo`: the whole pipeline, small, on the CPU.
 
 1. prepare the offline Shakespeare corpus (byte-level BPE, packed shards) unless already prepared;
-2. train the tiny MoE twice — pre-norm baseline and NAG, identical internals — under the same FLOP budget;
+2. train the tiny MoE twice — pre-norm baseline and NAG, identical internals — under the same FLOP budget
+   (DEMO_STEPS steps' worth), so the LR schedule anneals over exactly that budget;
 3. print both val bpb against the unigram (token-frequency) baseline of the same tokenizer and split, and
    write runs/demo/demo.json + demo.md.
 Re-running resumes or reuses finished runs (the trainer resumes from the latest checkpoint).
@@ -21,9 +22,11 @@ from nagmoe.config import load_config  # noqa: E402
 from nagmoe.data import shards  # noqa: E402
 from nagmoe.data.bpb import unigram_bpb  # noqa: E402
 from nagmoe.data.prepare import prepare_single  # noqa: E402
+from nagmoe.flops import flops_per_token  # noqa: E402
 from nagmoe.train.trainer import Trainer  # noqa: E402
 
 RUNS = {"prenorm": "configs/tiny-prenorm.yaml", "nag": "configs/tiny.yaml"}
+DEMO_STEPS = 200  # the shared FLOP budget is this many steps of the NAG model at full depth
 
 
 def main(argv=None) -> int:
@@ -39,9 +42,12 @@ def main(argv=None) -> int:
         prepare_single(cfg)
     unigram = unigram_bpb(cfg.data.data_dir)
     print(f"[demo] unigram bpb of the validation split: {unigram:.4f}", flush=True)
+    budget = DEMO_STEPS * cfg.train.batch_tokens * flops_per_token(cfg.model, cfg.data.seq_len)
+    budget_overrides = [f"train.flop_budget={budget:.6g}", "train.max_steps=null", *args.overrides]
+    print(f"[demo] FLOP budget per run: {budget:.3g} (~{DEMO_STEPS} steps of {cfg.train.batch_tokens} tokens)")
     results = {}
     for name, path in RUNS.items():
-        run_cfg = load_config(path, args.overrides)
+        run_cfg = load_config(path, budget_overrides)
         run_dir = os.path.join(args.out, name)
         print(f"[demo] training {name} ({path}) -> {run_dir}", flush=True)
         summary = Trainer(run_cfg, run_dir).run()

@@ -1,12 +1,18 @@
 """Attention sublayers, chosen by `model.attention.kind` through a small registry.
 
-Legend: B batch, T sequence, D model width, H query heads, K key/value heads (GQA: H % K == 0),
-S head dim, R rotary dims (the leading R of S; rope_fraction < 1 leaves the rest unrotated).
+Legend: B batch, T sequence (the new tokens when decoding), L key positions (cached + new), D model width,
+H query heads, K key/value heads (GQA: H % K == 0), S head dim, R rotary dims (the leading R of S;
+rope_fraction < 1 leaves the rest unrotated).
 
 Every attention module is built as `Cls(d_model, attn_cfg, init_std=None)` and called as
-`forward(x_BTD) -> (y_BTD, None)`, the same call shape as the FFN sublayers. The score computation is picked
-by `model.attention.impl` through `nagmoe.ops.registry`: `sdpa` (F.scaled_dot_product_attention, the
-default) or `math` (explicit matmuls with a causal mask: the reference and the FLOP-counter's target).
+`forward(x_BTD, cache=None) -> (y_BTD, None)`, the same call shape as the FFN sublayers. The score
+computation is picked by `model.attention.impl` through `nagmoe.ops.registry`: `sdpa`
+(F.scaled_dot_product_attention, the default) or `math` (explicit matmuls with a causal mask: the reference
+and the FLOP-counter's target).
+
+Incremental decoding: with an `AttentionCache`, `forward` treats x_BTD as the T tokens that follow the
+`cache.length` tokens already seen (RoPE positions start there), appends its keys/values (and, for CCA, its
+conv and value-shift state) to the cache, and attends over everything cached. Inference only (no autograd).
 """
 from __future__ import annotations
 
@@ -65,20 +71,87 @@ def apply_rope(x_BTHS: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor)
     return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
 
 
-def causal_attention(q_BHTS: torch.Tensor, k_BKTS: torch.Tensor, v_BKTS: torch.Tensor, impl: str) -> torch.Tensor:
-    """softmax(q kᵀ / sqrt(S) + causal mask) v, with K <= H key/value heads shared by H/K query heads each."""
-    n_rep = q_BHTS.shape[1] // k_BKTS.shape[1]
+def causal_attention(q_BHTS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: torch.Tensor, impl: str,
+                     q_offset: int = 0) -> torch.Tensor:
+    """softmax(q kᵀ / sqrt(S) + causal mask) v, with K <= H key/value heads shared by H/K query heads each
+    (query head h reads key/value head h // (H/K)).
+
+    The L = q_offset + T keys cover the T queries' own positions and the q_offset positions before them
+    (a KV cache): query i (absolute position q_offset + i) sees keys j <= q_offset + i."""
+    n_rep = q_BHTS.shape[1] // k_BKLS.shape[1]
+    T, L = q_BHTS.shape[2], k_BKLS.shape[2]
+    if L != q_offset + T:
+        raise ValueError(f"causal_attention: {L} keys for {T} queries at offset {q_offset}")
     if impl == "sdpa":
-        return F.scaled_dot_product_attention(q_BHTS, k_BKTS, v_BKTS, is_causal=True, enable_gqa=n_rep > 1)
+        if q_offset == 0:  # square: SDPA's own causal mask
+            return F.scaled_dot_product_attention(q_BHTS, k_BKLS, v_BKLS, is_causal=True, enable_gqa=n_rep > 1)
+        mask_TL = None if T == 1 else _visible_TL(T, q_offset, q_BHTS.device)  # one new token sees everything
+        return F.scaled_dot_product_attention(q_BHTS, k_BKLS, v_BKLS, attn_mask=mask_TL, enable_gqa=n_rep > 1)
     # math: the explicit reference (softmax in fp32)
-    k_BHTS = k_BKTS.repeat_interleave(n_rep, dim=1)
-    v_BHTS = v_BKTS.repeat_interleave(n_rep, dim=1)
-    T = q_BHTS.shape[2]
-    scores_BHTT = (q_BHTS @ k_BHTS.transpose(-2, -1)).float() / math.sqrt(q_BHTS.shape[-1])
-    future_TT = torch.ones(T, T, dtype=torch.bool, device=q_BHTS.device).triu(1)
-    scores_BHTT = scores_BHTT.masked_fill(future_TT, float("-inf"))
-    probs_BHTT = torch.softmax(scores_BHTT, dim=-1).to(v_BHTS.dtype)
-    return probs_BHTT @ v_BHTS
+    k_BHLS = k_BKLS.repeat_interleave(n_rep, dim=1)
+    v_BHLS = v_BKLS.repeat_interleave(n_rep, dim=1)
+    scores_BHTL = (q_BHTS @ k_BHLS.transpose(-2, -1)).float() / math.sqrt(q_BHTS.shape[-1])
+    scores_BHTL = scores_BHTL.masked_fill(~_visible_TL(T, q_offset, q_BHTS.device), float("-inf"))
+    probs_BHTL = torch.softmax(scores_BHTL, dim=-1).to(v_BHLS.dtype)
+    return probs_BHTL @ v_BHLS
+
+
+def _visible_TL(T: int, q_offset: int, device) -> torch.Tensor:
+    """Boolean (T, q_offset + T): True where query i may see key j, i.e. j <= q_offset + i."""
+    return torch.ones(T, q_offset + T, dtype=torch.bool, device=device).tril(q_offset)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inference state of one attention sublayer
+# ----------------------------------------------------------------------------------------------------------
+class AttentionCache:
+    """Decoding state of one attention sublayer for a batch of B sequences (filled under no_grad).
+
+    `k_BKLS`, `v_BKLS`: keys (post-norm, post-RoPE: exactly what the scores use) and values of the `length`
+    positions seen so far, in buffers allocated on first use for `max_len` positions. CCA also keeps
+    `conv_BCW` (the raw pre-conv [q0|k0] latents of the last W tokens) and `shift_BC` (the shifted value
+    half's projection of the last token); MHA leaves them None.
+    """
+
+    def __init__(self, max_len: int):
+        if max_len < 1:
+            raise ValueError(f"AttentionCache: max_len {max_len} must be >= 1")
+        self.max_len = max_len
+        self.length = 0
+        self.k_BKLS: Optional[torch.Tensor] = None
+        self.v_BKLS: Optional[torch.Tensor] = None
+        self.conv_BCW: Optional[torch.Tensor] = None
+        self.shift_BC: Optional[torch.Tensor] = None
+
+    def append(self, k_BKTS: torch.Tensor, v_BKTS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the T new positions; return keys and values of all `length` positions (views)."""
+        start, end = self.length, self.length + k_BKTS.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"AttentionCache: {end} positions exceed max_len {self.max_len}")
+        if self.k_BKLS is None:
+            B, K, _, S = k_BKTS.shape
+            self.k_BKLS = k_BKTS.new_zeros(B, K, self.max_len, S)
+            self.v_BKLS = v_BKTS.new_zeros(B, K, self.max_len, v_BKTS.shape[-1])
+        self.k_BKLS[:, :, start:end] = k_BKTS
+        self.v_BKLS[:, :, start:end] = v_BKTS
+        self.length = end
+        return self.k_BKLS[:, :, :end], self.v_BKLS[:, :, :end]
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per cached token and sequence (the part that grows with the context)."""
+        if self.k_BKLS is None:
+            return 0
+        per_seq = self.k_BKLS[0, :, 0].numel() * self.k_BKLS.element_size() \
+            + self.v_BKLS[0, :, 0].numel() * self.v_BKLS.element_size()
+        return int(per_seq)
+
+    def state_bytes(self) -> int:
+        """Bytes per sequence of the fixed-size state (CCA's conv and value-shift state)."""
+        total = 0
+        for t in (self.conv_BCW, self.shift_BC):
+            if t is not None:
+                total += t[0].numel() * t.element_size()
+        return total
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -108,17 +181,20 @@ class MultiHeadAttention(nn.Module):
             init_linear_uniform(lin, self.init_std)
         nn.init.zeros_(self.c_proj.weight)
 
-    def forward(self, x_BTD: torch.Tensor):
+    def forward(self, x_BTD: torch.Tensor, cache: Optional[AttentionCache] = None):
         B, T, _ = x_BTD.shape
+        offset = cache.length if cache is not None else 0
         q_BTHS = self.c_q(x_BTD).view(B, T, self.n_heads, self.head_dim)
         k_BTKS = self.c_k(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
         v_BTKS = self.c_v(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
-        cos, sin = rope_tables(T, self.rot_dims, self.rope_base, x_BTD.device)
+        cos, sin = rope_tables(T, self.rot_dims, self.rope_base, x_BTD.device, offset=offset)
         q_BTHS, k_BTKS = apply_rope(q_BTHS, cos, sin), apply_rope(k_BTKS, cos, sin)
         if self.qk_norm:
             q_BTHS, k_BTKS = rms_norm(q_BTHS), rms_norm(k_BTKS)
-        y_BHTS = causal_attention(q_BTHS.transpose(1, 2), k_BTKS.transpose(1, 2), v_BTKS.transpose(1, 2),
-                                  self.impl)
+        k_BKLS, v_BKLS = k_BTKS.transpose(1, 2), v_BTKS.transpose(1, 2)
+        if cache is not None:
+            k_BKLS, v_BKLS = cache.append(k_BKLS, v_BKLS)
+        y_BHTS = causal_attention(q_BTHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, q_offset=offset)
         y_BTD = self.c_proj(y_BHTS.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         return y_BTD, None
 

@@ -99,6 +99,10 @@ class MoELayer(nn.Module):
         self.w_in = nn.Parameter(torch.empty(cfg.n_experts, d_model, hidden))
         self.w_out = nn.Parameter(torch.empty(cfg.n_experts, hidden, d_model))
         self.last_stats: dict[str, torch.Tensor] = {}
+        # Token movement hook, set from outside (nagmoe.parallel): `dispatcher(layer, x_SD, counts_E) -> y_SD`
+        # replaces the local expert call; an expert-parallel one also holds only this rank's slice of
+        # w_in / w_out. None = all experts local. Model code stays single-device.
+        self.dispatcher = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -114,6 +118,8 @@ class MoELayer(nn.Module):
 
     def run_experts(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Expert MLPs on slots sorted by expert (the seam an expert-parallel dispatcher replaces)."""
+        if self.dispatcher is not None:
+            return self.dispatcher(self, x_SD, counts_E)
         return EXPERT_FORWARD[self.backend](x_SD, self.w_in, self.w_out, counts_E)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,9 @@ The transformer's loop is the same for every stream:
         state, aux = stream.apply(index, sublayer, state)  # sublayer(x_BTD) -> (y_BTD, aux or None)
     logits_BTV = stream.decode(state, lm_head)             # fp32
 Each call takes an optional `stats` (a StatsCollector); with `stats=None` nothing extra is computed.
+A stream only *calls* `sublayer(x_BTD)` (no attribute access): when decoding, the transformer passes the
+attention sublayer with its inference cache bound (`functools.partial(attn, cache=...)`). Both streams are
+per-token maps around the sublayers, so they need no decoding state of their own.
 """
 from __future__ import annotations
 

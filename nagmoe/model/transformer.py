@@ -6,19 +6,26 @@ The residual stream (`model.residual`), the attention (`model.attention.kind`) a
 picked by name; the block loop is the same for all of them (see residual.py). Block i holds sublayer
 indices 2i (attention, NAG l = 2i+1) and 2i+1 (FFN, NAG l = 2i+2).
 
+Incremental decoding: `cache = model.new_cache(max_len)` then `model(idx_BT, cache=cache)` runs the T tokens
+that follow the `cache.position` tokens already consumed (prefill: the whole prompt; decode: one token per
+call) and returns their logits; each block's attention keeps its `AttentionCache` (KV, and CCA's conv and
+value-shift state). Everything else in the stack is per token, so both residual streams decode unchanged.
+Prefill + one-token steps equal the full forward (tests/model/test_kv_cache.py). Use under torch.no_grad().
+
 Init (nanochat-like): embedding N(0, 1); input projections uniform with std `model.init_std` (default
 d^-0.5); output projections (c_proj, expert w_out) zero; unembedding std from the residual stream (0.001
 for pre-norm; d^-0.5 for NAG, whose rows are renormalised in the forward anyway).
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nagmoe.model.attention import build_attention
+from nagmoe.model.attention import AttentionCache, build_attention
 from nagmoe.model.mlp import DenseMLP
 from nagmoe.model.residual import build_residual_stream
 from nagmoe.model.roles import UNEMBEDDING
@@ -32,6 +39,25 @@ class ModelOutput(NamedTuple):
     loss: Optional[torch.Tensor]  # fp32 cross-entropy; (B, T) with reduction="none"
     aux_loss: torch.Tensor  # 0-dim: sum of the (already weighted) MoE auxiliary losses; 0. for dense
     stats: Optional[dict]  # residual-stream statistics (stats.py) when collected, else None
+
+
+class InferenceCache:
+    """Decoding state of a whole model for a batch of sequences: one `AttentionCache` per block."""
+
+    def __init__(self, n_layers: int, max_len: int):
+        self.max_len = max_len
+        self.layers = [AttentionCache(max_len) for _ in range(n_layers)]
+
+    @property
+    def position(self) -> int:
+        """Tokens consumed so far (the position of the next token)."""
+        return self.layers[0].length
+
+    def kv_bytes_per_token(self) -> int:
+        return sum(layer.kv_bytes_per_token() for layer in self.layers)
+
+    def state_bytes(self) -> int:
+        return sum(layer.state_bytes() for layer in self.layers)
 
 
 class Unembedding(nn.Linear):
@@ -85,13 +111,19 @@ class Transformer(nn.Module):
             raise ValueError(f"injection warm-up factor must be in [0, 1], got {factor}")
         self.stream.set_injection_warmup(factor)
 
+    def new_cache(self, max_len: Optional[int] = None) -> InferenceCache:
+        """An empty decoding state for up to `max_len` positions (default model.max_seq_len)."""
+        return InferenceCache(len(self.blocks), max_len or self.config.max_seq_len)
+
     def forward(self, idx_BT: torch.Tensor, targets_BT: Optional[torch.Tensor] = None, reduction: str = "mean",
-                collect_stats: Optional[bool] = None) -> ModelOutput:
+                collect_stats: Optional[bool] = None, cache: Optional[InferenceCache] = None) -> ModelOutput:
         want_stats = self.collect_stats if collect_stats is None else collect_stats
         stats = StatsCollector() if want_stats else None
         state = self.stream.encode(self.wte, idx_BT, stats)
         aux_loss = torch.zeros((), dtype=torch.float32, device=idx_BT.device)
         for index, sublayer in enumerate(self.sublayers()):
+            if cache is not None and index % 2 == 0:  # attention sublayer of block index // 2
+                sublayer = functools.partial(sublayer, cache=cache.layers[index // 2])
             state, aux = self.stream.apply(index, sublayer, state, stats)
             if aux is not None:
                 aux_loss = aux_loss + aux

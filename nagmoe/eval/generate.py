@@ -1,0 +1,102 @@
+"""Sampling from a trained run: the latest valid checkpoint and the run's tokenizer; the prompt is prefilled in
+one forward pass, then tokens are decoded one at a time with the model's inference cache (KV, and CCA's conv
+and value-shift state; see `Transformer.new_cache`).
+
+The prompt is encoded as a training document starts: `<|bos|>` then its tokens (special-token text in the
+prompt is ordinary text). Generation stops after `max_new_tokens` or at a sampled BOS (a new document).
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional
+
+import torch
+
+from nagmoe.errors import UserError
+
+
+class LoadedRun(NamedTuple):
+    model: "torch.nn.Module"
+    tokenizer: object  # tokenizers.Tokenizer
+    bos_id: int
+    config: object  # nagmoe.config.Config
+    checkpoint: str
+
+
+def load_run(run_dir: str, device: str = "cpu") -> LoadedRun:
+    """Model (eval mode, on `device`) from the run's latest valid checkpoint, and its tokenizer; UserError
+    when the run dir, its config, a checkpoint or the tokenizer is missing."""
+    from nagmoe.data.tokenizer import bos_id, check_vocab, load_tokenizer
+    from nagmoe.model import build_model
+    from nagmoe.train.checkpoint import latest_valid_checkpoint, load_checkpoint
+    from nagmoe.train.run_dir import CONFIG_FILE, read_saved_config
+
+    if not os.path.isdir(run_dir):
+        raise UserError(f"--run-dir: {run_dir} is not a directory")
+    cfg = read_saved_config(run_dir)
+    if cfg is None:
+        raise UserError(f"--run-dir: {run_dir} is not a run dir (no {CONFIG_FILE})")
+    checkpoint = latest_valid_checkpoint(run_dir)
+    if checkpoint is None:
+        raise UserError(f"--run-dir: {run_dir} has no valid checkpoint under checkpoints/ (train it first)")
+    tok_path = os.path.join(cfg.data.data_dir, "tokenizer.json")
+    tokenizer = load_tokenizer(tok_path)
+    check_vocab(tokenizer, cfg.model.vocab_size, tok_path)
+    tokenizer.encode_special_tokens = True  # as the training documents were encoded
+    model = build_model(cfg.model)
+    load_checkpoint(checkpoint, model, restore_rng=False)
+    return LoadedRun(model.to(device).eval(), tokenizer, bos_id(tokenizer, tok_path), cfg, checkpoint)
+
+
+def sample_next(logits_BV: torch.Tensor, temperature: float, top_k: Optional[int],
+                generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Next token ids (B,): argmax for temperature 0, else softmax(logits / temperature) restricted to the
+    top_k logits (None or 0 = all)."""
+    if temperature == 0:
+        return logits_BV.argmax(dim=-1)
+    logits_BV = logits_BV.float() / temperature
+    if top_k and top_k < logits_BV.shape[-1]:
+        kth_B1 = logits_BV.topk(top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    probs_BV = torch.softmax(logits_BV, dim=-1)
+    return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_ids(model, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                 stop_id: Optional[int] = None, use_cache: bool = True) -> list[int]:
+    """The new token ids after `prompt_ids` (one sequence). With `use_cache` the prompt is prefilled once and
+    each new token costs one single-token forward; without it every step reruns the whole sequence (the
+    reference the cache is tested against)."""
+    if not prompt_ids:
+        raise ValueError("generate_ids: the prompt needs at least one token")
+    device = next(model.parameters()).device
+    ids_BT = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    cache = model.new_cache(len(prompt_ids) + max_new_tokens) if use_cache else None
+    new: list[int] = []
+    step_input_BT = ids_BT
+    for _ in range(max_new_tokens):
+        logits_BTV = model(step_input_BT if use_cache else ids_BT, cache=cache).logits
+        next_B = sample_next(logits_BTV[:, -1], temperature, top_k, generator)
+        token = int(next_B.item())
+        if stop_id is not None and token == stop_id:
+            break
+        new.append(token)
+        step_input_BT = next_B.view(1, 1)
+        ids_BT = torch.cat([ids_BT, step_input_BT], dim=1)
+    return new
+
+
+def generate_text(run: LoadedRun, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,
+                  top_k: Optional[int] = 50, seed: int = 0) -> str:
+    """The completion of `prompt` (decoded text of the new tokens only)."""
+    prompt_ids = [run.bos_id, *run.tokenizer.encode(prompt, add_special_tokens=False).ids]
+    limit = run.config.model.max_seq_len
+    if len(prompt_ids) + max_new_tokens > limit:
+        raise UserError(f"--prompt: {len(prompt_ids)} prompt tokens (with BOS) + --max-new-tokens "
+                        f"{max_new_tokens} exceed the model's max_seq_len {limit}")
+    device = next(run.model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    new = generate_ids(run.model, prompt_ids, max_new_tokens, temperature, top_k, generator, stop_id=run.bos_id)
+    return run.tokenizer.decode(new, skip_special_tokens=False)
