@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from nagmoe.errors import UserError
@@ -70,6 +71,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"nagmoe {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `nagmoe params | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":

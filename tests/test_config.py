@@ -76,6 +76,7 @@ def test_yaml_off_is_a_string(tmp_path):
     (["model.attention.qk_norm=maybe"], "model.attention.qk_norm"),
     (["train.lr_matrix=fast"], "train.lr_matrix"),
     (["model.mod.skip_rate=1.5"], "model.mod.skip_rate"),
+    (["model.attention.kind=cca", "model.attention.q_compression=3"], "model.attention.q_compression"),
 ])
 def test_invalid_values_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as e:
