@@ -447,7 +447,10 @@ def validate_config(cfg: Config) -> None:
     if a.kind == "cca":  # head geometry of CCA/CCGQA: one rule, shared with the model and the accounting
         from nagmoe.flops import attention_heads
 
-        attention_heads(m)
+        try:
+            attention_heads(m)
+        except UserError as e:
+            raise ConfigError(str(e)) from None
     if not 0.0 <= a.rope_fraction <= 1.0:
         raise ConfigError(f"model.attention.rope_fraction: {a.rope_fraction} must be in [0, 1]")
     if m.ffn == "moe":
