@@ -22,6 +22,7 @@ COMMANDS = {
     "generate": ("generate", "sample from a trained run"),
     "launch": ("launch", "launch on a cluster (slurm)"),
     "bench": ("bench", "benchmarks (ratios, written as JSON)"),
+    "consolidate": ("consolidate", "one single-file checkpoint (RUN_DIR/consolidated.pt) from a sharded run"),
 }
 
 

@@ -1,5 +1,9 @@
 """`nagmoe train --config PATH [--run-dir DIR] [key.sub=value ...]`: train, resuming from the latest valid
-checkpoint in the run dir; only the schedule-length keys may differ on resume unless --force."""
+checkpoint in the run dir; only the schedule-length keys may differ on resume unless --force.
+
+Distributed: under torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or one srun task per rank (SLURM_*), e.g.
+`torchrun --standalone --nproc_per_node=2 -m nagmoe train --config configs/tiny.yaml parallel.ep=2`.
+`parallel.*` is checked against the world size before any process group is created (exit 2)."""
 import os
 
 from nagmoe.commands.common import add_config_arguments, config_from_args
@@ -13,9 +17,24 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from nagmoe.train.trainer import Trainer
+    import torch
+
+    from nagmoe.parallel.env import init_distributed, read_dist_env, shutdown_distributed
+    from nagmoe.parallel.mesh import ParallelMesh, validate_parallel
+    from nagmoe.train.trainer import Trainer, resolve_device
 
     cfg = config_from_args(args)
     run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
-    Trainer(cfg, run_dir, force=args.force, quiet=args.quiet).run()
+    env = read_dist_env()
+    validate_parallel(cfg, env.world_size)
+    device = resolve_device(cfg.train.device)
+    if device.type == "cuda" and env.distributed:
+        device = torch.device("cuda", env.local_rank)
+    created = init_distributed(env, device)
+    try:
+        mesh = ParallelMesh.build(cfg, env.rank, env.world_size, env.local_rank, device.type)
+        Trainer(cfg, run_dir, force=args.force, quiet=args.quiet, mesh=mesh).run()
+    finally:
+        if created:
+            shutdown_distributed()
     return 0

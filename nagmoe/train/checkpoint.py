@@ -18,6 +18,13 @@ initialised group the save/load are collective, rank 0 writes the JSON files and
 rank's RNG state is stored (restored by rank index). Model and optimizer state go through
 `torch.distributed.checkpoint.state_dict` (parameter-name keys, DDP/compile wrappers stripped), which
 accepts a plain nn.Module and a single optimizer, a list of them or an `OptimizerBundle`.
+
+Expert parallelism: expert stacks have the same names on every rank but different contents (each EP rank
+holds a slice of the experts). `shard_plan` maps such parameter names to `(DeviceMesh, placements)`; the
+parameter and every optimizer-state tensor of its shape are then saved and loaded as DTensors, so DCP
+stores each expert once with its global offset (replicas over data-parallel ranks deduplicated) and a
+load on another layout — another EP degree, or one process without any plan (`nagmoe consolidate`) —
+reads the right experts.
 """
 from __future__ import annotations
 
@@ -88,10 +95,44 @@ def _optimizer_list(optimizers) -> list[torch.optim.Optimizer]:
     return list(optimizers)  # a list/tuple of optimizers or an OptimizerBundle (iterable of optimizers)
 
 
-def _tensor_state(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict:
+def _tensor_state(model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                  shard_plan: Optional[dict] = None) -> dict:
     state = {"model": get_model_state_dict(model)}
     if optimizers:
         state["optim"] = get_optimizer_state_dict(model, optimizers)  # creates empty optimizer state if needed
+    if shard_plan:
+        _wrap_sharded(state, shard_plan)
+    return state
+
+
+def _wrap_sharded(state: dict, shard_plan: dict) -> None:
+    """Replace the local shards named in `shard_plan` (and their optimizer state) by DTensors, in place."""
+    from torch.distributed.tensor import DTensor
+
+    def wrap(t: torch.Tensor, spec) -> torch.Tensor:
+        mesh, placements = spec
+        return DTensor.from_local(t, mesh, list(placements), run_check=False)
+
+    model_state = state["model"]
+    for name, spec in shard_plan.items():
+        local = model_state[name]
+        model_state[name] = wrap(local, spec)
+        per_param = state.get("optim", {}).get("state", {}).get(name, {})
+        for key, value in list(per_param.items()):
+            if torch.is_tensor(value) and value.shape == local.shape:  # momentum, Adam moments (not `step`)
+                per_param[key] = wrap(value, spec)
+
+
+def _unwrap_sharded(state: Any) -> Any:
+    """DTensors back to their local shards (nested dicts/lists)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {k: _unwrap_sharded(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_unwrap_sharded(v) for v in state]
     return state
 
 
@@ -269,11 +310,12 @@ def _prune(root: str, run_dir: str, new_step: int, keep: int, tag: str) -> None:
 
 
 def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizers=None,
-                    extra_state: Optional[dict] = None, keep: int = 2) -> str:
+                    extra_state: Optional[dict] = None, keep: int = 2, shard_plan: Optional[dict] = None) -> str:
     """Write RUN_DIR/checkpoints/step_<step>/ atomically; keep the newest `keep`; return its path.
 
     `extra_state` must be JSON-serialisable (tokens, flops, data-loader position, ...); the RNG states of
-    every rank are added automatically. Collective when a process group is initialised.
+    every rank are added automatically. Collective when a process group is initialised. `shard_plan`: the
+    expert-parallel parameters (module docstring).
     """
     if keep < 1:
         raise UserError(f"train.keep_checkpoints: {keep} must be >= 1")
@@ -291,7 +333,7 @@ def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizers=None,
         os.makedirs(tmp)
     _barrier()
 
-    _dcp(dcp.save, _tensor_state(model, _optimizer_list(optimizers)), tmp)
+    _dcp(dcp.save, _tensor_state(model, _optimizer_list(optimizers), shard_plan), tmp)
 
     rng = capture_rng_state()
     if _distributed():
@@ -314,7 +356,8 @@ def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizers=None,
     return final
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizers=None, restore_rng: bool = True) -> dict:
+def load_checkpoint(path: str, model: nn.Module, optimizers=None, restore_rng: bool = True,
+                    shard_plan: Optional[dict] = None) -> dict:
     """Verify the manifest, then load model (and optimizer) state in place; return the extra state.
 
     The returned dict is the `extra_state` given to `save_checkpoint` with `"step"` set. A bad checksum,
@@ -334,8 +377,10 @@ def load_checkpoint(path: str, model: nn.Module, optimizers=None, restore_rng: b
         raise UserError(f"checkpoint {path}: unsupported format {state.get('format')!r} (expected {FORMAT})")
 
     opts = _optimizer_list(optimizers)
-    tensors = _tensor_state(model, opts)
+    tensors = _tensor_state(model, opts, shard_plan)
     _dcp(dcp.load, tensors, path)
+    if shard_plan:
+        tensors = _unwrap_sharded(tensors)
     set_model_state_dict(model, tensors["model"])
     if opts:
         set_optimizer_state_dict(model, opts, tensors["optim"])

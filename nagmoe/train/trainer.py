@@ -6,6 +6,14 @@ Step accounting. `step` counts completed optimizer steps. The metrics record of 
 `train.batch_tokens` tokens and `flops_per_token(model, seq_len, executed) * batch_tokens` training FLOPs.
 Stop: when `step == train.max_steps`, or when the next step would take the cumulative FLOPs more than half a
 step past `train.flop_budget` (so the run ends within half a step of the budget).
+
+Distributed (`mesh`, nagmoe.parallel): every rank is a data rank reading its own shard of each global batch;
+replicated parameters go through DDP (no sync on accumulation micro-steps), expert stacks are sharded over
+the EP ranks and their gradients summed over the ranks that replicate them (nagmoe.parallel.grad_sync).
+Everything that decides the control flow agrees over ranks: the logged loss is the mean over ranks, the
+executed fractions (MoD) are averaged over ranks before they price a step (so every rank counts the same
+FLOPs), and the stop flag is all-reduced (MAX), so all ranks stop at the same step. Files are written by
+rank 0; checkpoints are collective. One process runs exactly the single-device code path.
 """
 from __future__ import annotations
 
@@ -26,9 +34,13 @@ from nagmoe.data.bpb import bits_per_byte, bpb_sums, token_bytes
 from nagmoe.errors import UserError
 from nagmoe.flops import flops_per_token
 from nagmoe.model import build_model
+from nagmoe.parallel.expert_parallel import expert_shard_plan, shard_experts
+from nagmoe.parallel.grad_sync import clip_grad_norm_, named_params, sync_expert_grads, wrap_ddp
+from nagmoe.parallel.mesh import ParallelMesh
 from nagmoe.train.checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
 from nagmoe.train.metrics import MetricsWriter, truncate_metrics
 from nagmoe.train.optim import build_optimizers
+from nagmoe.train.preemption import PreemptionWatch
 from nagmoe.train.run_dir import prepare_run_dir, write_run_info, write_summary
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
 
@@ -63,11 +75,20 @@ def resolved_backends(model) -> dict:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str, force: bool = False, quiet: bool = False,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, mesh: Optional[ParallelMesh] = None):
+        """`mesh`: the distributed layout (nagmoe.parallel.mesh.ParallelMesh). Without one: the initialised
+        process group's layout when there is one and `world_size` is left at 1, else `rank`/`world_size`."""
         self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
-        self.rank, self.world_size = rank, world_size
         t, m = cfg.train, cfg.model
         self.device = resolve_device(t.device)
+        if mesh is None and world_size == 1:
+            mesh = ParallelMesh.from_process_group(cfg, self.device.type)
+        elif mesh is None:
+            mesh = ParallelMesh.build(cfg, rank, world_size, device_type=self.device.type)
+        self.mesh = mesh
+        self.rank, self.world_size = rank, world_size = mesh.rank, mesh.world_size
+        if self.device.type == "cuda" and mesh.distributed:
+            self.device = torch.device("cuda", mesh.local_rank)
         seq = cfg.data.seq_len
         self.global_rows = t.batch_tokens // seq
         if self.global_rows % world_size:
@@ -80,11 +101,14 @@ class Trainer:
         self.accum = rank_rows // self.micro_rows
 
         self._check_data()
-        latest = latest_valid_checkpoint(run_dir) if os.path.isdir(run_dir) else None
-        prepare_run_dir(run_dir, cfg, resuming=latest is not None, force=force)
+        latest = mesh.on_rank0(lambda: latest_valid_checkpoint(run_dir) if os.path.isdir(run_dir) else None)
+        mesh.on_rank0(lambda: prepare_run_dir(run_dir, cfg, resuming=latest is not None, force=force))
 
         torch.manual_seed(t.seed)
-        self.model = build_model(m).to(self.device)
+        self.model = build_model(m).to(self.device)  # the full model on every rank (same seed, same init) ...
+        self.expert_names = shard_experts(self.model, mesh)  # ... then each EP rank keeps its experts
+        self.expert_params = named_params(self.model, self.expert_names)
+        self.shard_plan = expert_shard_plan(mesh, self.expert_names)
         self.optim = build_optimizers(self.model, t)
         verify = cfg.data.verify_shards
         self.loader = TokenLoader(cfg.data.data_dir, "train", seq, self.micro_rows, t.seed, rank, world_size,
@@ -93,14 +117,20 @@ class Trainer:
         self.token_bytes = token_bytes(cfg.data.data_dir)
         self.progress = Progress()
         if latest is not None:
-            state = load_checkpoint(latest, self.model, self.optim)
+            state = load_checkpoint(latest, self.model, self.optim, shard_plan=self.shard_plan)
             self.progress = Progress(**state["progress"])
             self.loader.load_state_dict(state["loader"])
-            truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), self.progress.step)
+            if self.rank == 0:
+                truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), self.progress.step)
             self._log(f"resumed from {latest} at step {self.progress.step}")
+        # DDP for the replicated parameters (after the load: its start-up broadcast then changes nothing)
+        self.ddp = wrap_ddp(self.model, mesh, self.expert_names) if mesh.distributed else None
+        self.replicated_params = [p for n, p in self.model.named_parameters() if n not in set(self.expert_names)]
         self.backends = resolved_backends(self.model)
-        write_run_info(run_dir, self.backends, str(self.device),
-                       {"resumed_from": latest, "grad_accum": self.accum, "world_size": world_size})
+        if self.rank == 0:
+            write_run_info(run_dir, self.backends, str(self.device),
+                           {"resumed_from": latest, "grad_accum": self.accum, "world_size": world_size,
+                            "ep": mesh.ep, "dp": mesh.dp})
         self._log(f"device {self.device}; backends: {self.backends}; grad accumulation {self.accum}")
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else nullcontext())
@@ -132,8 +162,17 @@ class Trainer:
                           name=os.path.basename(os.path.abspath(self.run_dir)), config=to_dict(self.cfg),
                           resume="allow", id=os.path.basename(os.path.abspath(self.run_dir)))
 
-    def executed_fractions(self) -> Optional[list]:
+    def local_executed_fractions(self) -> Optional[list]:
+        """This rank's realised executed fraction per sublayer (MoD), or None for full depth."""
         return None  # full depth; the MoD issue reports realised fractions per sublayer
+
+    def executed_fractions(self) -> Optional[list]:
+        """The executed fractions of the whole (global) batch: the mean over ranks of the local ones (every
+        rank holds the same number of tokens), identical on every rank."""
+        local = self.local_executed_fractions()
+        if local is None or not self.mesh.distributed:
+            return local
+        return self.mesh.mean(local)
 
     def step_flops(self) -> float:
         return flops_per_token(self.cfg.model, self.cfg.data.seq_len, self.executed_fractions()) \
@@ -141,24 +180,42 @@ class Trainer:
 
     def should_stop(self) -> bool:
         t = self.cfg.train
-        if t.max_steps is not None and self.progress.step >= t.max_steps:
-            return True
-        return t.flop_budget is not None and self.progress.flops + 0.5 * self.step_flops() > t.flop_budget
+        stop = t.max_steps is not None and self.progress.step >= t.max_steps
+        if not stop:
+            stop = t.flop_budget is not None and self.progress.flops + 0.5 * self.step_flops() > t.flop_budget
+        return self.mesh.any(stop) if self.mesh.distributed else stop
 
     # ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Validation bits per byte; under distributed training the val batches are split over ranks and the
+        sums reduced. Under EP every forward is collective, so a rank out of batches runs a throw-away
+        forward while others still have one."""
         self.model.eval()
         nats, nbytes = 0.0, 0
-        for x, y in iter_eval_batches(self.val_shards, self.cfg.data.seq_len, self.micro_rows,
-                                      max_tokens=self.cfg.train.eval_tokens, rank=self.rank,
-                                      world_size=self.world_size):
-            x, y = x.to(self.device), y.to(self.device)
+        batches = iter_eval_batches(self.val_shards, self.cfg.data.seq_len, self.micro_rows,
+                                    max_tokens=self.cfg.train.eval_tokens, rank=self.rank,
+                                    world_size=self.world_size)
+        lockstep = self.mesh.ep > 1
+        while True:
+            batch = next(batches, None)
+            if lockstep and not self.mesh.any(batch is not None):
+                break
+            if batch is None:
+                if not lockstep:
+                    break
+                x = torch.zeros(1, self.cfg.data.seq_len, dtype=torch.long, device=self.device)
+                with self.autocast:
+                    self.model(x, x, reduction="none")
+                continue
+            x, y = batch[0].to(self.device), batch[1].to(self.device)
             with self.autocast:
                 out = self.model(x, y, reduction="none")
             n, b = bpb_sums(out.loss, y, self.token_bytes)
             nats, nbytes = nats + n, nbytes + b
         self.model.train()
+        if self.mesh.distributed:
+            nats, nbytes = self.mesh.all_reduce([nats, nbytes])
         return bits_per_byte(nats, nbytes)
 
     def train_step(self) -> dict:
@@ -169,16 +226,26 @@ class Trainer:
         warm = injection_warmup(p.tokens, m.nag.warmup_tokens) if m.residual == "nag" else 1.0
         self.model.set_injection_warmup(warm)
         loss_sum = aux_sum = 0.0
-        for _ in range(self.accum):
+        model = self.ddp if self.ddp is not None else self.model
+        for i in range(self.accum):
             x, y = next(self.loader)
             x, y = x.to(self.device), y.to(self.device)
-            with self.autocast:
-                out = self.model(x, y)
-            ((out.loss + out.aux_loss) / self.accum).backward()
+            # DDP all-reduces in the backward of the last micro-step only
+            skip_sync = self.ddp is not None and i < self.accum - 1
+            with self.ddp.no_sync() if skip_sync else nullcontext():
+                with self.autocast:
+                    out = model(x, y)
+                ((out.loss + out.aux_loss) / self.accum).backward()
             loss_sum += out.loss.item()
             aux_sum += out.aux_loss.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else
-                                                   float("inf"))
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        if self.expert_params:  # EP: expert gradients over their replicas, then the global norm
+            sync_expert_grads(self.expert_params, self.mesh)
+            grad_norm = clip_grad_norm_(self.replicated_params, self.expert_params, max_norm, self.mesh)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.mesh.distributed:
+            loss_sum, aux_sum = self.mesh.mean([loss_sum, aux_sum])
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         p.flops += self.step_flops()
@@ -188,21 +255,26 @@ class Trainer:
                 "lr_mult": lr_mult, "grad_norm": float(grad_norm), "injection_warmup": warm}
 
     def _moe_balance(self) -> Optional[float]:
-        """max/mean tokens per expert over MoE layers of the last micro-batch (1 = perfectly balanced)."""
-        worst = None
+        """max/mean tokens per expert over MoE layers of the last micro-batch, summed over ranks (1 =
+        perfectly balanced)."""
+        counts = []
         for sub in self.model.sublayers():
             stats = getattr(sub, "last_stats", None)
             if stats and "tokens_per_expert" in stats:
-                c = stats["tokens_per_expert"].float()
-                ratio = float(c.max() / c.mean().clamp_min(1e-9))
-                worst = ratio if worst is None else max(worst, ratio)
-        return worst
+                counts.append(stats["tokens_per_expert"].float())
+        if not counts:
+            return None
+        if self.mesh.distributed:
+            sizes = [c.numel() for c in counts]
+            summed = torch.tensor(self.mesh.all_reduce(torch.cat(counts).tolist()))
+            counts = list(summed.split(sizes))
+        return max(float(c.max() / c.mean().clamp_min(1e-9)) for c in counts)
 
     def checkpoint(self) -> str:
         state = {"step": self.progress.step, "progress": self.progress.as_dict(),
                  "loader": self.loader.state_dict()}
         return save_checkpoint(self.run_dir, self.progress.step, self.model, self.optim, state,
-                               keep=self.cfg.train.keep_checkpoints)
+                               keep=self.cfg.train.keep_checkpoints, shard_plan=self.shard_plan)
 
     def run(self) -> dict:
         t = self.cfg.train
@@ -216,8 +288,11 @@ class Trainer:
         val_bpb = None
         started = time.perf_counter()
         wall0 = self.progress.wall_s
+        preemption = PreemptionWatch(self.run_dir, self.rank).install()  # SIGUSR1/SIGTERM or a request file
         try:
             while not self.should_stop():
+                if preemption.requested():  # all ranks agree; checkpoint, marker, raise Preempted (exit 75)
+                    preemption.stop(self.checkpoint, self.progress.step)
                 t0 = time.perf_counter()
                 rec = self.train_step()
                 dt = time.perf_counter() - t0
@@ -242,6 +317,7 @@ class Trainer:
             if val_bpb is None:  # nothing left to train (e.g. resumed at the stop): evaluate for the summary
                 val_bpb = self.evaluate()
         finally:
+            preemption.uninstall()
             if bar is not None:
                 bar.close()
             if metrics is not None:

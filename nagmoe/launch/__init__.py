@@ -1,0 +1,1 @@
+"""Cluster launchers: `slurm` renders and submits the sbatch templates of `launch/`."""

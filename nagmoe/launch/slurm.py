@@ -1,0 +1,233 @@
+"""Slurm launch: render the sbatch templates in `launch/`, write them with the resolved config into the run
+dir, submit with `sbatch`.
+
+Training (`launch/train.sbatch`): N nodes, one task per node, `srun torchrun --nnodes $SLURM_NNODES
+--nproc_per_node G --rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:$MASTER_PORT -m nagmoe train ...`.
+GPU mode asks for G GPUs per node (one rank each); CPU mode (`gpus_per_node=0`) runs K ranks per node on
+gloo with the same template. Files, all on the shared file system:
+
+    RUN_DIR/slurm/config.yaml     the resolved config (overrides applied), what every restart trains
+    RUN_DIR/slurm/train.sbatch    the rendered script (resubmit it by hand with `sbatch` if ever needed)
+    RUN_DIR/slurm/slurm-<job>.out the job's log (appended across requeues)
+
+Data preparation (`launch/prepare_data.sbatch`, three jobs): the tokenizer, then the corpus slices as a job
+array (afterok), then the merge (afterok on the whole array); `--kill-on-invalid-dep` cancels what can no
+longer run when a step fails.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+import nagmoe
+from nagmoe.errors import UserError
+from nagmoe.train.preemption import MARKER_FILE, REQUEST_FILE
+
+TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(nagmoe.__file__))), "launch")
+TRAIN_TEMPLATE = "train.sbatch"
+PREPARE_TEMPLATE = "prepare_data.sbatch"
+SLURM_DIR = "slurm"  # inside the run dir: config, scripts, logs
+_PLACEHOLDER = re.compile(r"\{\{([A-Z_]+)\}\}")
+
+
+@dataclass
+class SlurmOptions:
+    """What the user chose on the command line (None = the cluster's default / derived)."""
+    nodes: int = 1
+    gpus_per_node: int = 8
+    procs_per_node: Optional[int] = None  # default: gpus_per_node, or 1 in CPU mode
+    cpus_per_task: Optional[int] = None  # CPU mode default: procs_per_node
+    partition: Optional[str] = None
+    time: Optional[str] = None
+    account: Optional[str] = None
+    job_name: Optional[str] = None
+    signal_seconds: int = 120  # USR1 to the batch shell this long before the time limit
+    sbatch_args: list = field(default_factory=list)  # extra `#SBATCH` options, verbatim
+
+    @property
+    def cpu_mode(self) -> bool:
+        return self.gpus_per_node == 0
+
+    def validate(self) -> "SlurmOptions":
+        if self.nodes < 1:
+            raise UserError(f"--nodes: {self.nodes} must be >= 1")
+        if self.gpus_per_node < 0:
+            raise UserError(f"--gpus-per-node: {self.gpus_per_node} must be >= 0 (0 = CPU mode)")
+        if self.procs_per_node is None:
+            self.procs_per_node = self.gpus_per_node or 1
+        if self.procs_per_node < 1:
+            raise UserError(f"--procs-per-node: {self.procs_per_node} must be >= 1")
+        if not self.cpu_mode and self.procs_per_node != self.gpus_per_node:
+            raise UserError(f"--procs-per-node: {self.procs_per_node} differs from --gpus-per-node "
+                            f"{self.gpus_per_node}; GPU mode runs one rank per GPU (use --gpus-per-node 0 "
+                            "for CPU ranks)")
+        if self.cpus_per_task is None and self.cpu_mode:
+            self.cpus_per_task = self.procs_per_node
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise UserError(f"--cpus-per-task: {self.cpus_per_task} must be >= 1")
+        if self.signal_seconds < 1:
+            raise UserError(f"--signal-seconds: {self.signal_seconds} must be >= 1")
+        for name in ("partition", "time", "account", "job_name"):
+            value = getattr(self, name)
+            if value is not None and (not value or re.search(r"\s", value)):
+                raise UserError(f"--{name.replace('_', '-')}: {value!r} must be one word")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rendering
+# ----------------------------------------------------------------------------------------------------------
+def read_template(name: str) -> str:
+    path = os.path.join(TEMPLATE_DIR, name)
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: sbatch template not found (nagmoe must run from its source tree: "
+                        "pip install -e .)")
+    with open(path) as f:
+        return f.read()
+
+
+def fill(template: str, values: dict) -> str:
+    """Replace every `{{NAME}}`; a placeholder without a value is a bug in the caller, not user input."""
+    missing = sorted(set(_PLACEHOLDER.findall(template)) - set(values))
+    if missing:
+        raise KeyError(f"template placeholders without a value: {', '.join(missing)}")
+    return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)
+
+
+def _one_word_path(path: str, what: str) -> str:
+    if re.search(r"\s", path):  # #SBATCH lines cannot quote
+        raise UserError(f"{what}: {path!r} contains whitespace; Slurm's #SBATCH options cannot quote it")
+    return path
+
+
+def sbatch_lines(opts: SlurmOptions, job_name: str, output: str, *, nodes: int = 1, gpus: int = 0,
+                 cpus_per_task: Optional[int] = None, array: Optional[str] = None, preemptible: bool = False,
+                 extra: tuple = ()) -> str:
+    lines = [f"--job-name={job_name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
+    if gpus:
+        lines.append(f"--gpus-per-node={gpus}")
+    if cpus_per_task:
+        lines.append(f"--cpus-per-task={cpus_per_task}")
+    for name in ("partition", "time", "account"):
+        if getattr(opts, name):
+            lines.append(f"--{name}={getattr(opts, name)}")
+    if array:
+        lines.append(f"--array={array}")
+    lines += [f"--output={output}", "--open-mode=append", f"--chdir={_one_word_path(os.getcwd(), 'working dir')}"]
+    if preemptible:
+        lines += ["--requeue", f"--signal=B:USR1@{opts.signal_seconds}"]
+    lines += list(extra) + list(opts.sbatch_args)
+    return "\n".join(f"#SBATCH {line}" for line in lines)
+
+
+def torchrun_path() -> str:
+    """The torchrun next to this Python (the venv's), so the job runs the same installation."""
+    here = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return here if os.path.isfile(here) else (shutil.which("torchrun") or "torchrun")
+
+
+def render_train_script(opts: SlurmOptions, run_dir: str, force: bool = False) -> str:
+    opts.validate()
+    run_dir = _one_word_path(os.path.abspath(run_dir), "--run-dir")
+    job_name = opts.job_name or f"nagmoe-{os.path.basename(run_dir)}"
+    threads = max(1, (opts.cpus_per_task or opts.procs_per_node) // opts.procs_per_node)
+    # GPU nodes whole unless the CPUs are given: the cluster default (often 1 CPU per task) would pin all of
+    # a node's ranks and their data loading to one core
+    whole_node = ("--exclusive",) if not opts.cpu_mode and opts.cpus_per_task is None else ()
+    mode = (f"# CPU mode: {opts.procs_per_node} gloo rank(s) per node on CPUs (train.device=cpu)" if opts.cpu_mode
+            else f"# GPU mode: one NCCL rank per GPU, {opts.gpus_per_node} per node")
+    return fill(read_template(TRAIN_TEMPLATE), {
+        "SBATCH_LINES": sbatch_lines(opts, job_name, os.path.join(run_dir, SLURM_DIR, "slurm-%j.out"),
+                                     nodes=opts.nodes, gpus=opts.gpus_per_node, cpus_per_task=opts.cpus_per_task,
+                                     preemptible=True, extra=whole_node),
+        "RUN_DIR": shlex.quote(run_dir), "TORCHRUN": shlex.quote(torchrun_path()),
+        "PROCS_PER_NODE": opts.procs_per_node, "THREADS_PER_PROC": threads,
+        "REQUEST_FILE": REQUEST_FILE, "MARKER_FILE": MARKER_FILE,
+        "MODE_LINE": mode, "TRAIN_ARGS": " --force" if force else "",
+    })
+
+
+def render_prepare_scripts(opts: SlurmOptions, launch_dir: str, num_slices: int,
+                           with_tokenizer: bool = True) -> dict:
+    """{step: script text} for the data-preparation jobs (tokenizer only `with_tokenizer`)."""
+    launch_dir = _one_word_path(os.path.abspath(launch_dir), "--run-dir")
+    config = shlex.quote(os.path.join(launch_dir, SLURM_DIR, "config.yaml"))
+    base = opts.job_name or f"nagmoe-prep-{os.path.basename(launch_dir)}"
+    logs = os.path.join(launch_dir, SLURM_DIR)
+    steps = {
+        "tokenizer": ("--tokenizer-only", None, "slurm-%j.out"),
+        "slices": (f"--num-shards {num_slices}", f"0-{num_slices - 1}", "slurm-%A_%a.out"),
+        "merge": (f"--merge --num-shards {num_slices}", None, "slurm-%j.out"),
+    }
+    template = read_template(PREPARE_TEMPLATE)
+    out = {}
+    for step, (args, array, log) in steps.items():
+        if step == "tokenizer" and not with_tokenizer:
+            continue
+        out[step] = fill(template, {
+            "SBATCH_LINES": sbatch_lines(opts, f"{base}-{step}", os.path.join(logs, log),
+                                         cpus_per_task=opts.cpus_per_task, array=array,
+                                         extra=("--kill-on-invalid-dep=yes",)),
+            "STEP": step, "PYTHON": shlex.quote(sys.executable), "CONFIG": config, "PREPARE_ARGS": args,
+        })
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Files and submission
+# ----------------------------------------------------------------------------------------------------------
+def check_resume_config(run_dir: str, config_yaml: str, force: bool) -> None:
+    """Refuse at submission what the trainer would refuse at start: resuming a run dir that has checkpoints
+    with a config that differs beyond the schedule-length keys."""
+    from nagmoe.config import config_from_dict, yaml_load
+    from nagmoe.train.run_dir import config_differences, read_saved_config
+
+    ckpts = os.path.join(run_dir, "checkpoints")
+    if force or not (os.path.isdir(ckpts) and os.listdir(ckpts)):
+        return
+    saved = read_saved_config(run_dir)
+    if saved is None:
+        return
+    diffs = config_differences(saved, config_from_dict(yaml_load(config_yaml) or {}, validate=False))
+    if diffs:
+        raise UserError(f"{run_dir}: has checkpoints of a different config ({'; '.join(diffs[:3])}"
+                        f"{' ...' if len(diffs) > 3 else ''}); use another --run-dir or pass --force")
+
+
+def write_files(directory: str, config_yaml: str, scripts: dict) -> dict:
+    """Write DIR/slurm/config.yaml and DIR/slurm/<name> for each script; returns {name: path}."""
+    folder = os.path.join(os.path.abspath(directory), SLURM_DIR)
+    os.makedirs(folder, exist_ok=True)
+    paths = {}
+    for name, text in {"config.yaml": config_yaml, **scripts}.items():
+        path = os.path.join(folder, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+        if name.endswith(".sbatch"):
+            os.chmod(path, 0o755)
+        paths[name] = path
+    return paths
+
+
+def require_sbatch() -> str:
+    path = shutil.which("sbatch")
+    if path is None:
+        raise UserError("sbatch: not found on PATH (submit from a Slurm login node, or use --dry-run)")
+    return path
+
+
+def submit(script: str, dependency: Optional[str] = None) -> str:
+    """`sbatch --parsable [--dependency=...] SCRIPT` -> the job id."""
+    cmd = [require_sbatch(), "--parsable"] + ([f"--dependency={dependency}"] if dependency else []) + [script]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        first = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+        raise UserError(f"sbatch {os.path.basename(script)}: {first}")
+    return out.stdout.strip().split(";")[0]  # "<id>[;cluster]"

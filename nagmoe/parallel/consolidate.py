@@ -1,0 +1,83 @@
+"""One single-file checkpoint from a sharded (DCP) one, for laptops: generation, the report, inspection.
+
+`consolidate_run(RUN_DIR)` builds the full single-device model of the run's config (all experts), loads the
+newest valid checkpoint into it in this one process — DCP reads each expert from whichever rank's shard
+holds it, whatever the world size and EP degree of the run — and writes `RUN_DIR/consolidated.pt`:
+
+    {"format": "nagmoe-consolidated", "version": 1, "config": <Config as a dict>, "model": <state dict>,
+     "step": int, "progress": {...}, "checkpoint": <source path>}
+
+tensors and plain python only, so `torch.load(..., weights_only=True)` reads it. The optimizer state is not
+included (resume from the DCP checkpoint instead).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nagmoe.config import Config, config_from_dict, to_dict
+from nagmoe.errors import UserError
+
+CONSOLIDATED = "consolidated.pt"
+FORMAT = "nagmoe-consolidated"
+VERSION = 1
+
+
+def consolidate_run(run_dir: str, checkpoint: Optional[str] = None, out: Optional[str] = None) -> str:
+    """Write the consolidated checkpoint of `run_dir` (default: its newest valid checkpoint) to `out`
+    (default RUN_DIR/consolidated.pt) atomically; return the path. Single process only."""
+    from nagmoe.model import build_model
+    from nagmoe.train.checkpoint import latest_valid_checkpoint, load_checkpoint
+    from nagmoe.train.run_dir import CONFIG_FILE, read_saved_config
+
+    if dist.is_available() and dist.is_initialized():
+        raise UserError("nagmoe consolidate runs in one process (not under torchrun/srun)")
+    if not os.path.isdir(run_dir):
+        raise UserError(f"run dir {run_dir} does not exist")
+    cfg = read_saved_config(run_dir)
+    if cfg is None:
+        raise UserError(f"{os.path.join(run_dir, CONFIG_FILE)} is missing: not a run dir")
+    if checkpoint is None:
+        checkpoint = latest_valid_checkpoint(run_dir)
+        if checkpoint is None:
+            raise UserError(f"{run_dir}: no valid checkpoint under checkpoints/")
+    model = build_model(cfg.model)
+    extra = load_checkpoint(checkpoint, model, None, restore_rng=False)  # verifies the manifest first
+    payload = {"format": FORMAT, "version": VERSION, "config": to_dict(cfg),
+               "model": {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+               "step": int(extra["step"]), "progress": extra.get("progress", {}),
+               "checkpoint": os.path.abspath(checkpoint)}
+    out = out or os.path.join(run_dir, CONSOLIDATED)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    torch.save(payload, tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def load_consolidated(path: str) -> tuple[Config, dict]:
+    """(config, full model state dict) of a consolidated checkpoint, on CPU."""
+    if not os.path.isfile(path):
+        raise UserError(f"consolidated checkpoint {path} does not exist")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated or foreign file: one line, not a traceback
+        raise UserError(f"{path}: not a readable consolidated checkpoint ({type(e).__name__})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise UserError(f"{path}: not a nagmoe consolidated checkpoint")
+    if payload.get("version") != VERSION:
+        raise UserError(f"{path}: consolidated format version {payload.get('version')!r}, expected {VERSION}")
+    return config_from_dict(payload["config"], validate=False), payload["model"]
+
+
+def load_consolidated_model(path: str, device: str = "cpu") -> tuple[Config, nn.Module]:
+    """The single-device model of a consolidated checkpoint, in eval mode."""
+    from nagmoe.model import build_model
+
+    cfg, state = load_consolidated(path)
+    model = build_model(cfg.model)
+    model.load_state_dict(state)
+    return cfg, model.to(device).eval()

@@ -1,0 +1,115 @@
+"""Expert parallelism: each EP rank holds E/P experts; tokens travel to them and back by all-to-all.
+
+Shape legend: S = this rank's routing slots sorted by (global) expert, D = model width, E = experts,
+P = EP group size, L = E/P local experts, R = slots received by this rank (from all P sources).
+
+`AllToAllDispatcher(layer, x_SD, counts_E) -> y_SD` replaces `MoELayer.run_experts` (via the layer's
+`dispatcher` hook), so routing, aux losses and the combine stay in the single-device model:
+  1. counts   send_PL = counts_E.view(P, L) (slots for EP rank p's expert l); an all-to-all of these counts
+              gives recv_PL[q, l] = slots that source q sends to my local expert l.
+  2. tokens   x_RD = all_to_all(x_SD) with uneven splits (send_PL.sum(1) out, recv_PL.sum(1) in), autograd
+              on (the backward is the reverse all-to-all). Arrives grouped by source, then local expert.
+  3. experts  a stable sort by local expert groups the rows expert-major (source order kept within an
+              expert, i.e. global token order when ranks hold consecutive token shards), then the same
+              grouped kernel as one process: y = relu(x @ w_in[l])² @ w_out[l].
+  4. combine  un-sort, reverse all-to-all back to the source ranks: y_SD in the order of x_SD.
+A rank that receives no slot still joins both all-to-alls (forward and backward): its empty expert output
+is tied to the received tensor by autograd (`x_RD * 0`), so the backward all-to-all runs on every rank.
+
+Experts are sharded by `shard_experts(model, mesh)` after the full model is built (same seed on every rank,
+so rank p's slice is exactly experts [p·L, (p+1)·L) of the single-process initialisation).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import _functional_collectives as funcol
+
+from nagmoe.model.moe import MoELayer
+from nagmoe.ops.grouped_experts import EXPERT_FORWARD
+from nagmoe.parallel.mesh import ParallelMesh
+
+EXPERT_PARAMS = ("w_in", "w_out")
+
+
+class AllToAllDispatcher:
+    """The expert-parallel `MoELayer.dispatcher` for one EP group (see the module docstring)."""
+
+    def __init__(self, group, ep_size: int, ep_rank: int, n_experts: int):
+        if n_experts % ep_size:
+            raise ValueError(f"{n_experts} experts do not split over {ep_size} EP ranks")
+        self.group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
+        self.n_experts, self.n_local = n_experts, n_experts // ep_size
+
+    def __repr__(self) -> str:
+        return f"AllToAllDispatcher(ep={self.ep_size}, ep_rank={self.ep_rank}, local_experts={self.n_local})"
+
+    def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """recv_PL[q, l]: slots source rank q sends to my local expert l."""
+        send_E = counts_E.to(torch.int64).contiguous()
+        recv_E = torch.empty_like(send_E)
+        dist.all_to_all_single(recv_E, send_E, group=self.group)  # L counts to each rank, evenly split
+        return recv_E.view(self.ep_size, self.n_local)
+
+    def __call__(self, layer: MoELayer, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        P, L = self.ep_size, self.n_local
+        if counts_E.numel() != self.n_experts or layer.w_in.shape[0] != L:
+            raise RuntimeError(f"{self}: layer has {layer.w_in.shape[0]} local experts and {counts_E.numel()} "
+                               "routing counts; shard it with nagmoe.parallel.shard_experts")
+        # 1. counts
+        recv_PL = self.exchange_counts(counts_E)
+        send_sizes = counts_E.view(P, L).sum(1).tolist()
+        recv_sizes = recv_PL.sum(1).tolist()
+        # 2. tokens out
+        x_RD = funcol.all_to_all_single_autograd(x_SD.contiguous(), recv_sizes, send_sizes, self.group)
+        # 3. local experts, rows grouped expert-major
+        local_expert_R = torch.repeat_interleave(
+            torch.arange(L, device=x_SD.device).repeat(P), recv_PL.reshape(-1).to(x_SD.device))
+        order_R = torch.argsort(local_expert_R, stable=True)
+        counts_L = recv_PL.sum(0).to(counts_E.device)
+        if x_RD.shape[0] == 0:
+            y_RD = x_RD * 0.0  # nothing to compute, but keep the graph so the backward all-to-all runs
+        else:
+            y_sorted = EXPERT_FORWARD[layer.backend](x_RD[order_R], layer.w_in, layer.w_out, counts_L)
+            unsort_R = torch.empty_like(order_R)
+            unsort_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
+            y_RD = y_sorted[unsort_R]
+        # 4. results back to the sources, in the order of x_SD
+        return funcol.all_to_all_single_autograd(y_RD.contiguous(), send_sizes, recv_sizes, self.group)
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+
+
+def shard_experts(model: nn.Module, mesh: ParallelMesh) -> list[str]:
+    """Keep this EP rank's slice of every expert stack, install the all-to-all dispatcher, and return the
+    names of the sharded (expert) parameters. A no-op returning [] when `mesh.ep == 1`."""
+    if mesh.ep == 1:
+        return []
+    names = []
+    for mod_name, layer in moe_layers(model):
+        if layer.dispatcher is not None:
+            raise RuntimeError(f"{mod_name}: experts are already sharded")
+        L = layer.n_experts // mesh.ep
+        lo = mesh.ep_rank * L
+        for p_name in EXPERT_PARAMS:
+            full = getattr(layer, p_name)
+            setattr(layer, p_name, nn.Parameter(full.detach()[lo:lo + L].clone(), requires_grad=full.requires_grad))
+            names.append(f"{mod_name}.{p_name}" if mod_name else p_name)
+        layer.dispatcher = AllToAllDispatcher(mesh.ep_group, mesh.ep, mesh.ep_rank, layer.n_experts)
+    return names
+
+
+def expert_shard_plan(mesh: ParallelMesh, expert_names: list[str]) -> Optional[dict]:
+    """For checkpoints: parameter name -> (DeviceMesh, placements) of the expert stacks, which are sharded
+    over the mesh's ep dim (dim 0, experts) and replicated over dp. None when nothing is sharded."""
+    if not expert_names:
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = (Replicate(), Shard(0))
+    return {name: (mesh.device_mesh, placements) for name in expert_names}

@@ -1,0 +1,157 @@
+"""Preemption: stop at a step boundary with a checkpoint, so that a restarted run loses and repeats nothing.
+
+Two ways to ask a running trainer to stop:
+  * a signal to the training process: SIGUSR1 or SIGTERM (a terminal, `kill`, Slurm's `--signal=USR1@T`
+    to the job steps, torchrun forwarding the TERM it got);
+  * a request file `RUN_DIR/preempt.request`, written by the Slurm batch script's trap when Slurm signals
+    the batch shell (`#SBATCH --signal=B:USR1@120`). torchrun handles only TERM/INT/HUP/QUIT (a USR1 would
+    kill it), so a file on the shared file system is the robust way to reach every rank on every node.
+
+At each step boundary the trainer calls `requested()`; under torch.distributed every rank contributes its
+local view and they agree by an all-reduce MAX, so all ranks stop at the same step even when only one of
+them saw the signal or the file. `stop()` then saves a checkpoint (collective), rank 0 writes the marker
+`RUN_DIR/preempted.json` (step, checkpoint, reason) and consumes the request file, and every rank raises
+`Preempted`: a `SystemExit` with code 75 (EX_TEMPFAIL, "try again"), or 0 under torchrun, which would report
+any other worker code as a crash. The batch script requeues the job when the marker exists (the marker, not
+an exit code, is the signal); a trainer started again resumes from that checkpoint and drops the marker.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from typing import Callable, NoReturn, Optional
+
+REQUEST_FILE = "preempt.request"
+MARKER_FILE = "preempted.json"
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): stopped on purpose with a checkpoint; run again to continue
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+def preempted_exit_code() -> int:
+    """EXIT_PREEMPTED, except under torchrun (TORCHELASTIC_RUN_ID set): torchrun reports any non-zero worker
+    code as a failure with a traceback and exits 1 itself, so there the workers exit 0 and the marker is
+    the only signal (the batch script reads it either way)."""
+    return 0 if os.environ.get("TORCHELASTIC_RUN_ID") else EXIT_PREEMPTED
+
+
+class Preempted(SystemExit):
+    """Raised by `PreemptionWatch.stop` after the checkpoint; ends the process with `preempted_exit_code()`
+    unless caught."""
+
+    def __init__(self, step: int, checkpoint: str):
+        super().__init__(preempted_exit_code())
+        self.step, self.checkpoint = step, checkpoint
+
+    def __str__(self) -> str:
+        return f"preempted at step {self.step} (checkpoint {self.checkpoint})"
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on at least one (all-reduce MAX); the flag itself without a
+    process group. NCCL reduces CUDA tensors only, so the flag travels on this rank's current device."""
+    if not _distributed():
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def read_marker(run_dir: str) -> Optional[dict]:
+    """The marker of a preempted run (None when the run was not preempted or has resumed since)."""
+    try:
+        with open(os.path.join(run_dir, MARKER_FILE)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def request_stop(run_dir: str, reason: str = "request") -> str:
+    """Ask a trainer running in `run_dir` to checkpoint and stop at its next step boundary (what the batch
+    script's trap does with `echo > FILE`). Returns the request file's path."""
+    path = os.path.join(run_dir, REQUEST_FILE)
+    with open(path, "w") as f:
+        f.write(f"{reason} {time.time():.0f}\n")
+    return path
+
+
+class PreemptionWatch:
+    """Watches for a stop request during `Trainer.run`: `install()` before the loop, `requested()` at each
+    step boundary, `stop(checkpoint_fn, step)` when it says so, `uninstall()` in a finally."""
+
+    def __init__(self, run_dir: str, rank: int = 0):
+        self.run_dir, self.rank = run_dir, rank
+        self.request_path = os.path.join(run_dir, REQUEST_FILE)
+        self.marker_path = os.path.join(run_dir, MARKER_FILE)
+        self.signal_name: Optional[str] = None  # set by the handler (async-signal work: one assignment)
+        self._previous: dict = {}
+
+    def install(self) -> "PreemptionWatch":
+        """Catch SIGUSR1/SIGTERM (main thread only: Python delivers signals there) and drop the marker of an
+        earlier preemption: this run resumes now."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        if self.rank == 0:
+            _remove_quietly(self.marker_path)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def local_reason(self) -> Optional[str]:
+        """Why this rank wants to stop (a signal name or the request file), or None."""
+        if self.signal_name is not None:
+            return self.signal_name
+        if os.path.exists(self.request_path):
+            return REQUEST_FILE
+        return None
+
+    def requested(self) -> bool:
+        """Whether any rank wants to stop; the same answer on every rank (collective when distributed)."""
+        return any_rank(self.local_reason() is not None)
+
+    def stop(self, checkpoint_fn: Callable[[], str], step: int) -> NoReturn:
+        """Checkpoint (collective), write the marker, consume the request, then raise `Preempted` on every
+        rank. The barrier keeps all ranks alive until the marker exists: under torchrun the first rank to
+        exit makes the agent stop the others."""
+        path = checkpoint_fn()
+        if self.rank == 0:
+            marker = {"step": step, "checkpoint": path, "reason": self.local_reason() or "another rank",
+                      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                      "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                      "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0"))}
+            tmp = self.marker_path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(marker, f, indent=1)
+            os.replace(tmp, self.marker_path)
+            _remove_quietly(self.request_path)
+        if _distributed():
+            import torch.distributed as dist
+
+            dist.barrier()
+        raise Preempted(step, path)

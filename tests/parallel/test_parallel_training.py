@@ -1,0 +1,320 @@
+"""Distributed training of the micro model on 2 real gloo ranks against the single-process run.
+
+One 2-rank session (module fixture) runs every distributed scenario; the tests below check its results:
+  * EP=2 and DP=2, 5 steps, equal the single-process run with the same global batch accumulated over the
+    same micro-batches (losses and final parameters, fp32, 1e-5);
+  * under EP every rank reads different rows, together the global batch of the single-process run;
+  * a save at step 3 and a resume to step 5 on 2 ranks continue the exact (bitwise) trajectory, and the
+    same 2-rank checkpoint resumes in one process (another world size) on the same trajectory (1e-5);
+  * ranks whose executed fractions (MoD, injected by a hook) differ price every step alike and stop at the
+    same step under a FLOP budget;
+  * the consolidated single-file checkpoint gives the logits and the generated text of the sharded model.
+"""
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from gloo_ranks import run_on_ranks
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = pytest.mark.distributed
+
+TOL = 1e-5
+# The embedding is the one exception: AdamW (eps 1e-10, lr_embed 0.2) divides each element's gradient by its
+# own RMS history, so an element whose gradient is nearly cancelled turns fp32 summation-order rounding
+# (~1e-7 relative, as every other parameter shows) into an update difference proportional to the LR:
+# measured 2e-7 after 2 steps, 5.6e-5 after 5, and 10x less with lr_embed 0.02.
+EMBED_TOL = 1e-4
+STEPS = 5
+# micro-batches of one 64-token row: the single process accumulates 4 per step, each of 2 ranks 2
+BASE = ("train.micro_batch_tokens=64", f"train.max_steps={STEPS}",
+        "train.eval_tokens=256", "train.schedule_steps=10")
+N_SUBLAYERS = 4  # micro model: 2 layers x (attention, ffn)
+FRACTIONS = {0: [0.0] * N_SUBLAYERS, 1: [1.0] * N_SUBLAYERS}  # per-rank executed fractions (FLOP test)
+
+
+def load(overrides):
+    from nagmoe.config import load_config
+
+    return load_config(os.path.join(REPO, "configs/tiny.yaml"), overrides)
+
+
+class RecordingLoader:
+    """The trainer's loader, recording each micro-batch's rows."""
+
+    def __init__(self, inner):
+        self.inner, self.rows = inner, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        x, y = next(self.inner)
+        self.rows.append(x.numpy().copy())
+        return x, y
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
+
+
+def make_trainer(overrides, run_dir, cls=None, **kw):
+    from nagmoe.train.trainer import Trainer
+
+    trainer = (cls or Trainer)(load(overrides), str(run_dir), quiet=True, **kw)
+    trainer.loader = RecordingLoader(trainer.loader)
+    return trainer
+
+
+def step_losses(run_dir):
+    from nagmoe.train.metrics import read_metrics
+
+    return [(r["step"], r["loss"]) for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def params_of(model):
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def probe_idx():
+    return torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(7))
+
+
+PROMPT = "KING HENRY:"
+
+
+def sample_text(model, cfg):
+    """`nagmoe generate`'s sampling (temperature 0.8, top-k 50, seed 0) from `model` with the run's tokenizer."""
+    from nagmoe.data.tokenizer import bos_id, load_tokenizer
+    from nagmoe.eval.generate import LoadedRun, generate_text
+
+    path = os.path.join(cfg.data.data_dir, "tokenizer.json")
+    tokenizer = load_tokenizer(path)
+    tokenizer.encode_special_tokens = True
+    run = LoadedRun(model.eval(), tokenizer, bos_id(tokenizer, path), cfg, "")
+    return generate_text(run, PROMPT, max_new_tokens=24)
+
+
+def fraction_trainer_class():
+    from nagmoe.train.trainer import Trainer
+
+    class UnevenMoD(Trainer):
+        """Test hook: rank r reports FRACTIONS[r] as its realised executed fractions (MoD is not built)."""
+
+        def local_executed_fractions(self):
+            return list(FRACTIONS[self.rank])
+
+    return UnevenMoD
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What the 2 ranks run
+# ----------------------------------------------------------------------------------------------------------
+def two_rank_session(overrides, tmp):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = {}
+    # EP=2 and DP=2, 5 steps each
+    for name, extra in (("ep2", ["parallel.ep=2"]), ("dp2", ["parallel.ep=1"])):
+        run_dir = os.path.join(tmp, name)
+        trainer = make_trainer([*overrides, *extra], run_dir)
+        trainer.run()
+        trainer.model.eval()
+        with torch.no_grad():
+            logits = trainer.model(probe_idx()).logits.numpy()
+        text = sample_text(trainer.model, trainer.cfg)  # the sharded model decodes on both ranks in lockstep
+        out[name] = {"rows": trainer.loader.rows, "params": params_of(trainer.model), "logits": logits, "text": text,
+                     "losses": step_losses(run_dir) if rank == 0 else None,
+                     "expert_names": trainer.expert_names}
+    # save at step 3, resume to 5 (EP=2); keep a copy of the step-3 run dir for a 1-process resume
+    run_dir = os.path.join(tmp, "resumed")
+    make_trainer([*overrides, "parallel.ep=2", "train.max_steps=3"], run_dir).run()
+    if rank == 0:
+        shutil.copytree(run_dir, os.path.join(tmp, "resume_in_one_process"))
+    dist.barrier()
+    trainer = make_trainer([*overrides, "parallel.ep=2"], run_dir)
+    start = trainer.progress.step
+    trainer.run()
+    out["resumed"] = {"start": start, "params": params_of(trainer.model),
+                      "losses": step_losses(run_dir) if rank == 0 else None}
+    # FLOP budget with rank-dependent executed fractions
+    budget_overrides = [*overrides, "parallel.ep=2", "train.max_steps=null",
+                        f"train.flop_budget={flop_budget(overrides)}"]
+    trainer = make_trainer(budget_overrides, os.path.join(tmp, "budget"), cls=fraction_trainer_class())
+    summary = trainer.run()
+    out["budget"] = {"steps": summary["steps"], "flops": summary["flops"],
+                     "fractions": summary["executed_fractions"]}
+    return out
+
+
+def priced_steps(overrides):
+    """Training FLOPs of one step priced at the mean of the ranks' fractions and at each rank's own."""
+    from nagmoe.flops import flops_per_token
+
+    cfg = load(overrides)
+    mean = [(a + b) / 2 for a, b in zip(FRACTIONS[0], FRACTIONS[1])]
+    return {name: flops_per_token(cfg.model, cfg.data.seq_len, fr) * cfg.train.batch_tokens
+            for name, fr in (("mean", mean), ("rank0", FRACTIONS[0]), ("rank1", FRACTIONS[1]))}
+
+
+def steps_within(budget, step_flops):
+    """The trainer's stop rule: stop before a step that would end more than half a step past the budget."""
+    k = 0
+    while k * step_flops + 0.5 * step_flops <= budget:
+        k += 1
+    return k
+
+
+def flop_budget(overrides):
+    """(n + 0.3) steps at the mean fractions, with the smallest n at which each rank, pricing steps by its
+    own fractions alone, would stop at another step than the agreed one (so the test can fail)."""
+    priced = priced_steps(overrides)
+    for n in range(3, 20):
+        budget = (n + 0.3) * priced["mean"]
+        if len({steps_within(budget, f) for f in priced.values()}) == 3:
+            return budget
+    raise AssertionError("the fractions are too close to tell the ranks apart")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fixtures: the single-process reference and the 2-rank session
+# ----------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def overrides(micro_overrides):
+    return [*micro_overrides, *BASE]
+
+
+@pytest.fixture(scope="module")
+def single(overrides, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    trainer = make_trainer(overrides, run_dir)
+    trainer.run()
+    return {"rows": trainer.loader.rows, "params": params_of(trainer.model), "losses": step_losses(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def session(overrides, tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("two_ranks"))
+    results = run_on_ranks(two_rank_session, 2, overrides, tmp, timeout=240)
+    return tmp, results
+
+
+def assert_losses_close(got, want):
+    assert [s for s, _ in got] == [s for s, _ in want]
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=0, atol=TOL)
+
+
+def full_params(results, name):
+    """Assemble the full model's parameters from the ranks (expert stacks concatenated in EP-rank order)."""
+    experts = set(results[0][name]["expert_names"])
+    full = dict(results[0][name]["params"])
+    for n in experts:
+        full[n] = np.concatenate([r[name]["params"][n] for r in results])
+    return full
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["ep2", "dp2"])
+def test_two_ranks_equal_single_process(session, single, name):
+    _, results = session
+    assert_losses_close(results[0][name]["losses"], single["losses"])
+    full = full_params(results, name)
+    assert set(full) == set(single["params"])
+    for n, want in single["params"].items():
+        assert full[n].shape == want.shape, n
+        np.testing.assert_allclose(full[n], want, rtol=0, atol=EMBED_TOL if n == "wte.weight" else TOL, err_msg=n)
+    if name == "ep2":
+        assert results[0][name]["expert_names"] and results[0][name]["params"]["blocks.0.ffn.w_in"].shape[0] == 2
+    # replicated parameters agree bitwise across ranks
+    experts = set(results[0][name]["expert_names"])
+    for n, v in results[0][name]["params"].items():
+        if n not in experts:
+            np.testing.assert_array_equal(v, results[1][name]["params"][n], err_msg=n)
+
+
+def test_ranks_read_disjoint_shards_of_the_global_batch(session, single):
+    _, results = session
+    rows0, rows1 = results[0]["ep2"]["rows"], results[1]["ep2"]["rows"]
+    assert len(rows0) == len(rows1) == STEPS * 2 and len(single["rows"]) == STEPS * 4
+    for step in range(STEPS):
+        mine = [r.tobytes() for rows in (rows0, rows1) for b in rows[2 * step:2 * step + 2] for r in b]
+        reference = [r.tobytes() for b in single["rows"][4 * step:4 * step + 4] for r in b]
+        assert len(set(mine)) == len(mine) == 4  # the two ranks read different rows
+        assert sorted(mine) == sorted(reference)  # together: the global batch of the single-process step
+
+
+def test_distributed_resume_continues_the_exact_trajectory(session):
+    _, results = session
+    resumed, straight = results[0]["resumed"], results[0]["ep2"]
+    assert resumed["start"] == 3
+    assert resumed["losses"] == straight["losses"]  # bitwise, each step once
+    for rank in (0, 1):
+        for n, v in results[rank]["resumed"]["params"].items():
+            np.testing.assert_array_equal(v, results[rank]["ep2"]["params"][n], err_msg=n)
+
+
+def test_two_rank_checkpoint_resumes_in_one_process(session, single, overrides):
+    tmp, _ = session
+    run_dir = os.path.join(tmp, "resume_in_one_process")
+    trainer = make_trainer(overrides, run_dir, force=True)  # parallel.ep 2 -> 1 needs --force
+    assert trainer.progress.step == 3
+    trainer.run()
+    assert_losses_close(step_losses(run_dir), single["losses"])
+    got = params_of(trainer.model)
+    for n, want in single["params"].items():
+        np.testing.assert_allclose(got[n], want, rtol=0, atol=EMBED_TOL if n == "wte.weight" else TOL, err_msg=n)
+
+
+def test_uneven_executed_fractions_stop_at_the_same_step(session, overrides):
+    _, results = session
+    priced = priced_steps(overrides)
+    expected = steps_within(flop_budget(overrides), priced["mean"])
+    assert [r["budget"]["steps"] for r in results] == [expected, expected]
+    assert results[0]["budget"]["flops"] == results[1]["budget"]["flops"] == pytest.approx(
+        expected * priced["mean"], rel=1e-12)
+    mean = [(a + b) / 2 for a, b in zip(FRACTIONS[0], FRACTIONS[1])]
+    assert results[0]["budget"]["fractions"] == results[1]["budget"]["fractions"] == mean
+
+
+def test_consolidated_checkpoint_gives_the_sharded_logits(session, tmp_path):
+    from nagmoe.commands.consolidate import run as consolidate_command
+    from nagmoe.parallel.consolidate import load_consolidated, load_consolidated_model
+
+    tmp, results = session
+    run_dir = os.path.join(tmp, "ep2")
+    out = str(tmp_path / "model.pt")
+
+    class Args:
+        checkpoint = None
+
+    Args.run_dir, Args.out = run_dir, out
+    assert consolidate_command(Args) == 0
+    cfg, state = load_consolidated(out)
+    assert cfg.parallel.ep == 2 and state["blocks.0.ffn.w_in"].shape[0] == cfg.model.moe.n_experts
+    _, model = load_consolidated_model(out)
+    with torch.no_grad():
+        logits = model(probe_idx()).logits.numpy()
+    for rank in (0, 1):
+        np.testing.assert_allclose(logits, results[rank]["ep2"]["logits"], rtol=0, atol=TOL)
+
+
+def test_consolidated_and_sharded_checkpoints_generate_the_same_text(session, tmp_path):
+    from nagmoe.eval.generate import generate_text, load_run
+    from nagmoe.parallel.consolidate import consolidate_run, load_consolidated_model
+
+    tmp, results = session
+    run_dir = os.path.join(tmp, "ep2")
+    cfg, model = load_consolidated_model(consolidate_run(run_dir, out=str(tmp_path / "model.pt")))
+    text = sample_text(model, cfg)
+    assert len(text) > 0
+    assert text == results[0]["ep2"]["text"] == results[1]["ep2"]["text"]  # the sharded model on 2 EP ranks
+    assert text == generate_text(load_run(run_dir), PROMPT, max_new_tokens=24)  # `nagmoe generate`'s own load

@@ -1,0 +1,140 @@
+"""`nagmoe launch slurm --submit` on a real single-node Slurm (fixture `slurm_cluster`): CPU-mode training
+with 2 gloo ranks to summary.json; preemption by USR1 to the batch shell -> checkpoint -> requeue -> resume
+with every step logged once; the data-preparation array (tokenizer, 2 slices, merge) equals one pass."""
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from slurm_cluster import FINAL_STATES, wait_until
+from nagmoe.train.metrics import read_metrics
+
+pytestmark = pytest.mark.slurm
+
+CPU_MODE = ("--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2", "--time", "10")
+
+
+def submit(cluster, *args):
+    out = cluster.nagmoe("launch", "slurm", *args, "--submit")
+    return out.stdout
+
+
+def job_id(stdout, step="job"):
+    m = re.search(rf"\b{step} (\d+)", stdout)
+    assert m, stdout
+    return m.group(1)
+
+
+def logged_steps(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    return [r["step"] for r in read_metrics(path) if "step" in r] if os.path.isfile(path) else []
+
+
+def test_submit_cpu_mode_two_ranks_trains_to_summary(slurm_cluster, micro_yaml, tmp_path):
+    run = str(tmp_path / "run")
+    stdout = submit(slurm_cluster, "--config", micro_yaml(), "--run-dir", run, *CPU_MODE)
+    job = job_id(stdout)
+    assert f"run dir {run}" in stdout
+    log = os.path.join(run, "slurm", f"slurm-{job}.out")
+    slurm_cluster.wait_job(job, timeout=180, log=log)
+    with open(os.path.join(run, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["steps"] == 20 and summary["tokens"] == 20 * 256
+    with open(os.path.join(run, "run_info.json")) as f:
+        assert json.load(f)["world_size"] == 2  # torchrun started 2 ranks on the node
+    assert logged_steps(run) == list(range(1, 21))
+    assert "1 node(s) x 2 rank(s)" in open(log).read()
+
+
+def test_usr1_to_the_batch_shell_checkpoints_requeues_and_resumes(slurm_cluster, micro_yaml, tmp_path):
+    steps = 400  # long enough that the signal lands mid-run
+    run = str(tmp_path / "run")
+    config = micro_yaml(f"train.max_steps={steps}", f"train.schedule_steps={steps}")
+    job = job_id(submit(slurm_cluster, "--config", config, "--run-dir", run, *CPU_MODE))
+    log = os.path.join(run, "slurm", f"slurm-{job}.out")
+    wait_until(lambda: len(logged_steps(run)) >= 3 or slurm_cluster.job(job).get("JobState") in FINAL_STATES,
+               180, "three logged steps")
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", job)  # what --signal=B:USR1@120 does
+    # the batch shell requeues the job; it starts again after cred_expire and runs to the end
+    wait_until(lambda: slurm_cluster.job(job).get("Restarts", "0") != "0", 120, "the job to be requeued")
+    info = slurm_cluster.wait_job(job, timeout=240, log=log)
+    assert info["Restarts"] == "1"
+    text = open(log).read()
+    stopped = int(re.search(r'stopped with a checkpoint: .*"step": (\d+)', text).group(1))
+    assert 3 <= stopped < steps
+    assert "preempted: requeueing job" in text and "(restart 1)" in text
+    with open(os.path.join(run, "run_info.json")) as f:
+        assert json.load(f)["resumed_from"].endswith(f"step_{stopped:06d}")
+    assert logged_steps(run) == list(range(1, steps + 1))  # every step exactly once
+    with open(os.path.join(run, "summary.json")) as f:
+        assert json.load(f)["steps"] == steps
+    assert not os.path.exists(os.path.join(run, "preempted.json"))
+
+
+def test_scancel_checkpoints_but_does_not_requeue(slurm_cluster, micro_yaml, tmp_path):
+    steps = 2000  # never reached: the job is cancelled
+    run = str(tmp_path / "run")
+    config = micro_yaml(f"train.max_steps={steps}", f"train.schedule_steps={steps}")
+    job = job_id(submit(slurm_cluster, "--config", config, "--run-dir", run, *CPU_MODE))
+    log = os.path.join(run, "slurm", f"slurm-{job}.out")
+    wait_until(lambda: len(logged_steps(run)) >= 3 or slurm_cluster.job(job).get("JobState") in FINAL_STATES,
+               180, "three logged steps")
+    slurm_cluster.run("scancel", job)  # TERM to the batch shell and to every rank
+    wait_until(lambda: os.path.isfile(log) and "not requeued" in open(log).read(), 90,
+               "the batch script to finish after scancel")
+    info = slurm_cluster.wait_job_state(job, "CANCELLED", timeout=60)
+    assert info["Restarts"] == "0"
+    with open(os.path.join(run, "preempted.json")) as f:
+        marker = json.load(f)
+    assert marker["reason"] == "SIGTERM" and 3 <= marker["step"] < steps
+    assert os.path.isdir(marker["checkpoint"])  # a resubmission resumes from here
+
+
+def split_stream(data_dir, split):
+    from nagmoe.data.shards import read_index
+
+    index = read_index(data_dir)
+    return np.concatenate([np.fromfile(os.path.join(data_dir, r["file"]), dtype=r["dtype"])
+                           for r in index["shards"] if r["split"] == split])
+
+
+def test_data_prep_array_of_two_slices_and_merge_equals_one_pass(slurm_cluster, micro_data, micro_config, tmp_path):
+    from nagmoe.config import dump_yaml
+    from nagmoe.data.prepare import prepare_single
+    from nagmoe.data.shards import read_index
+    from nagmoe.data.tokenizer import file_sha256
+
+    _, corpus = micro_data
+    lines = open(corpus).read().splitlines(keepends=True)
+    (tmp_path / "corpus").mkdir()
+    for name, part in (("a.jsonl", lines[:30]), ("b.jsonl", lines[30:])):  # slices are whole files
+        (tmp_path / "corpus" / name).write_text("".join(part))
+
+    def config(data_dir):
+        return micro_config(f"data.corpus={tmp_path / 'corpus'}", f"data.data_dir={data_dir}",
+                            "data.val_fraction=0.1")
+
+    arrayed, single = str(tmp_path / "arrayed"), str(tmp_path / "single")
+    (tmp_path / "prep.yaml").write_text(dump_yaml(config(arrayed)))
+    stdout = submit(slurm_cluster, "--config", str(tmp_path / "prep.yaml"), "--array", "2",
+                    "--run-dir", str(tmp_path / "launch"))
+    tokenizer, slices, merge = (job_id(stdout, f"{step} job") for step in ("tokenizer", "slices", "merge"))
+    logs = tmp_path / "launch" / "slurm"
+    slurm_cluster.wait_job(merge, timeout=240, log=str(logs / f"slurm-{merge}.out"))
+    for job in (tokenizer, slices):  # the merge ran after (afterok) both earlier steps succeeded
+        assert slurm_cluster.job(job)["JobState"] == "COMPLETED"
+    assert sorted(p.name for p in logs.glob(f"slurm-{slices}_*.out")) == [f"slurm-{slices}_0.out",
+                                                                          f"slurm-{slices}_1.out"]
+
+    prepare_single(config(single))
+    assert file_sha256(os.path.join(arrayed, "tokenizer.json")) == file_sha256(os.path.join(single, "tokenizer.json"))
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(split_stream(arrayed, split), split_stream(single, split))
+    a, b = read_index(arrayed), read_index(single)
+    for split in ("train", "val"):  # shards may be cut differently (each slice ends its own last shard)
+        assert [a["totals"][split][k] for k in ("n_tokens", "n_documents")] == \
+            [b["totals"][split][k] for k in ("n_tokens", "n_documents")]
+    assert a["vocab_size"] == b["vocab_size"]
+    assert not os.path.exists(os.path.join(arrayed, "parts"))
