@@ -56,7 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may sit anywhere among the options (`--config c key=v --run-dir d key2=v`): argparse stops a
+    # positional list at the first option, so collect the stragglers here.
+    if extra:
+        if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = [*(args.overrides or []), *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not args.command:
         parser.print_help()
         return 2

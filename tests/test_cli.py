@@ -32,3 +32,12 @@ def test_config_prints_resolved_yaml(repo_root):
     r = nagmoe("config", "--config", "configs/tiny-prenorm.yaml", "model.n_layers=3", cwd=repo_root)
     assert r.returncode == 0, r.stderr
     assert "residual: prenorm" in r.stdout and "n_layers: 3" in r.stdout
+
+
+def test_overrides_may_follow_options(repo_root):
+    r = nagmoe("config", "--config", "configs/tiny.yaml", "model.n_layers=3", "--config", "configs/tiny.yaml",
+               "model.d_model=64", cwd=repo_root)
+    assert r.returncode == 0, r.stderr
+    assert "n_layers: 3" in r.stdout and "d_model: 64" in r.stdout
+    r = nagmoe("config", "--config", "configs/tiny.yaml", "model.n_layers=3", "--bogus", cwd=repo_root)
+    assert r.returncode == 2 and "--bogus" in r.stderr
