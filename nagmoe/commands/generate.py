@@ -1,6 +1,8 @@
-"""`nagmoe generate --run-dir DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --seed S]`:
-sample a completion from a run's latest valid checkpoint (prefill, then one token at a time with the
-inference cache). Prints the prompt followed by the completion on stdout."""
+"""`nagmoe generate --run-dir DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --seed S
+--skip-rate R]`: sample a completion from a run's latest valid checkpoint (prefill, then one token at a time
+with the inference cache). Prints the prompt followed by the completion on stdout. A MoD run uses its trained
+thresholds; `--skip-rate` picks thresholds for another rate from its score histograms (the compute dial),
+and the realised skip rate is reported on stderr."""
 from __future__ import annotations
 
 from nagmoe.errors import UserError
@@ -14,6 +16,8 @@ def add_arguments(p):
     p.add_argument("--top-k", type=int, default=50, metavar="K", help="sample among the K likeliest (0 = all)")
     p.add_argument("--seed", type=int, default=0, metavar="S")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--skip-rate", type=float, default=None, metavar="R",
+                   help="MoD runs: skip this fraction of eligible sublayer work (default: the trained thresholds)")
 
 
 def run(args) -> int:
@@ -23,10 +27,12 @@ def run(args) -> int:
         raise UserError(f"--temperature: {args.temperature} must be >= 0")
     if args.top_k < 0:
         raise UserError(f"--top-k: {args.top_k} must be >= 0 (0 = no top-k)")
+    if args.skip_rate is not None and not 0.0 <= args.skip_rate < 1.0:
+        raise UserError(f"--skip-rate: {args.skip_rate} must be in [0, 1)")
 
     import torch
 
-    from nagmoe.eval.generate import generate_text, load_run
+    from nagmoe.eval.generate import generate_text, load_run, mod_report, set_skip_rate
 
     device = args.device
     if device == "auto":
@@ -34,7 +40,14 @@ def run(args) -> int:
     elif device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device: cuda was asked for but no CUDA device is visible")
     run_ = load_run(args.run_dir, device)
+    if args.skip_rate is not None:
+        set_skip_rate(run_, args.skip_rate)
     completion = generate_text(run_, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None,
                                args.seed)
     print(args.prompt + completion)
+    report = mod_report(run_)
+    if report is not None:
+        import sys
+
+        print(f"[nagmoe] {report}", file=sys.stderr)
     return 0

@@ -67,6 +67,11 @@ class TokenShards:
         for i, (w, s) in enumerate(zip(window_ids.tolist(), shard_of.tolist())):
             start = (w - int(offsets[s])) * seq_len
             rows[i] = self.arrays[s][start:start + seq_len + 1]
+        if rows.size and int(rows.max()) >= self.vocab_size:  # cheap; an id past the table would crash the model
+            bad = int(shard_of[int(np.argmax(rows.max(axis=1)))])
+            raise UserError(f"{os.path.join(self.data_dir, self.records[bad]['file'])}: token id "
+                            f"{int(rows.max())} >= vocab_size {self.vocab_size} of {shards.INDEX} (shard "
+                            "written with another tokenizer, or corrupted; re-run prepare-data)")
         return rows
 
 

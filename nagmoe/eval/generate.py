@@ -4,6 +4,10 @@ and value-shift state; see `Transformer.new_cache`).
 
 The prompt is encoded as a training document starts: `<|bos|>` then its tokens (special-token text in the
 prompt is ordinary text). Generation stops after `max_new_tokens` or at a sampled BOS (a new document).
+
+Mixture-of-Depths runs decode with the thresholds saved in the checkpoint (every token decides from its own
+rotation score, exactly as in the full forward); `set_skip_rate` moves the dial to another rate using the
+saved per-sublayer score histograms.
 """
 from __future__ import annotations
 
@@ -42,10 +46,39 @@ def load_run(run_dir: str, device: str = "cpu") -> LoadedRun:
     tok_path = os.path.join(cfg.data.data_dir, "tokenizer.json")
     tokenizer = load_tokenizer(tok_path)
     check_vocab(tokenizer, cfg.model.vocab_size, tok_path)
+    _check_tokenizer_matches_data(cfg.data.data_dir, tok_path)
     tokenizer.encode_special_tokens = True  # as the training documents were encoded
     model = build_model(cfg.model)
     load_checkpoint(checkpoint, model, restore_rng=False)
     return LoadedRun(model.to(device).eval(), tokenizer, bos_id(tokenizer, tok_path), cfg, checkpoint)
+
+
+def _check_tokenizer_matches_data(data_dir: str, tok_path: str) -> None:
+    """Same vocabulary size is not enough: the tokenizer must be the file the training data was tokenised
+    with (its sha256 is recorded in the data index); a swapped tokenizer would decode garbage silently."""
+    from nagmoe.data import shards
+    from nagmoe.data.tokenizer import file_sha256
+
+    if not os.path.isfile(os.path.join(data_dir, shards.INDEX)):
+        return  # data removed after training: the vocabulary check above is all we can do
+    expected = shards.read_index(data_dir).get("tokenizer_sha256")
+    if expected and file_sha256(tok_path) != expected:
+        raise UserError(f"{tok_path}: not the tokenizer this run's data was made with (sha256 differs from "
+                        f"{os.path.join(data_dir, shards.INDEX)}); restore it or re-prepare the data")
+
+
+def set_skip_rate(run: LoadedRun, rate: float) -> None:
+    """Thresholds for skip rate `rate` from the run's score histograms (MoD runs only; UserError otherwise)."""
+    run.model.set_mod_skip_rate(rate)
+
+
+def mod_report(run: LoadedRun) -> Optional[str]:
+    """One line on the skipping of the forwards so far (None for a model without MoD or before any)."""
+    mod = run.model.mod_calibrator()
+    rate = mod.inference_skip_rate() if mod is not None else None
+    if rate is None:
+        return None
+    return f"MoD: skipped {rate:.1%} of eligible sublayer work (thresholds for skip rate {mod.skip_rate:g})"
 
 
 def sample_next(logits_BV: torch.Tensor, temperature: float, top_k: Optional[int],

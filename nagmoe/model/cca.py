@@ -24,6 +24,8 @@ Forward, per token t:
      (`log_temperature`, T = 0 at init; the exp keeps the keys non-zero, unlike a raw zero-initialised τ).
   6. RoPE (leading rope_fraction of S) on the normalised q, k; 7. causal softmax attention, scale 1/sqrt(S);
   8. c_proj (H·S -> D), zero-initialised.
+  Under MoD (`select`) steps 1-6 run for every token's keys/values (and q0 for the convs); the query side of
+  5-6, the score rows of 7 and step 8 only for the executed tokens (see attention.py).
 Convolutions, q-k mean and value shift are switchable (`use_convs`, `use_qk_mean`, `use_value_shift`);
 with all three off this is a plain latent multi-head attention (the tests check it against
 `MultiHeadAttention` with the same weights).
@@ -43,8 +45,8 @@ from torch import nn
 
 from nagmoe.errors import UserError
 from nagmoe.flops import attention_heads
-from nagmoe.model.attention import (AttentionCache, apply_rope, causal_attention, resolve_attention_impl,
-                                    rope_tables, rotary_dims)
+from nagmoe.model.attention import (AttentionCache, apply_rope, attention_at_positions, causal_attention,
+                                    executed_queries, resolve_attention_impl, rope_tables, rotary_dims)
 from nagmoe.model.common import init_linear_uniform, rms_norm
 from nagmoe.model.roles import SCALAR
 
@@ -118,7 +120,9 @@ class CCAttention(nn.Module):
             history_BCW = cache.conv_BCW if cache.conv_BCW is not None else qk_BCT.new_zeros(*qk_BCT.shape[:2], W)
             qk_BCL = torch.cat([history_BCW, qk_BCT], dim=-1)
             cache.conv_BCW = qk_BCL[..., qk_BCL.shape[-1] - W:].clone()
-        return self.conv_head(self.conv_seq(qk_BCL)).transpose(1, 2)
+        # contiguous (B, T, C): a channel-last view would reach SDPA with head-dim stride T, which its fused
+        # CPU kernel rejects (silently falling back to the unfused math path)
+        return self.conv_head(self.conv_seq(qk_BCL)).transpose(1, 2).contiguous()
 
     def _value_shift(self, v_BTJ: torch.Tensor, cache: Optional[AttentionCache]) -> torch.Tensor:
         """v_t = [first channels of c_v(x_t) | last `shifted` channels of c_v(x_{t-1})] (linear, so shifting the
@@ -152,17 +156,25 @@ class CCAttention(nn.Module):
         v_BTKS = self._value_shift(self.c_v(x_BTD), cache).view(B, T, K, S)
         return q_BTHS, k_BTKS, v_BTKS
 
-    def forward(self, x_BTD: torch.Tensor, cache: Optional[AttentionCache] = None):
+    def forward(self, x_BTD: torch.Tensor, cache: Optional[AttentionCache] = None, select=None):
+        """`(y_BTD, None)`; with `select` (MoD, nagmoe.model.mod.ExecutedTokens) `(y_ND, None)` for the N
+        executed tokens: the latents, convs, keys and values still run on every token (the convs and the q-k
+        mean read every token's raw q0, k0), only the executed queries' score rows and c_proj are computed."""
         B, T, _ = x_BTD.shape
+        H, S = self.n_heads, self.head_dim
         offset = cache.length if cache is not None else 0
         q_BTHS, k_BTKS, v_BTKS = self.latents(x_BTD, cache)
         temperature_K1 = self.log_temperature.exp().to(k_BTKS.dtype).unsqueeze(-1)
-        q_BTHS, k_BTKS = rms_norm(q_BTHS), rms_norm(k_BTKS) * temperature_K1  # sqrt(S)·x/|x| = x / rms(x)
+        k_BTKS = rms_norm(k_BTKS) * temperature_K1  # sqrt(S)·x/|x| = x / rms(x)
         cos, sin = rope_tables(T, self.rot_dims, self.rope_base, x_BTD.device, offset=offset)
-        q_BTHS, k_BTKS = apply_rope(q_BTHS, cos, sin), apply_rope(k_BTKS, cos, sin)
+        k_BTKS = apply_rope(k_BTKS, cos, sin)
         k_BKLS, v_BKLS = k_BTKS.transpose(1, 2), v_BTKS.transpose(1, 2)
         if cache is not None:
             k_BKLS, v_BKLS = cache.append(k_BKLS, v_BKLS)
-        y_BHTS = causal_attention(q_BTHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, q_offset=offset)
-        y_BTD = self.c_proj(y_BHTS.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-        return y_BTD, None
+        if select is None:
+            q_BTHS = apply_rope(rms_norm(q_BTHS), cos, sin)
+            y_BHTS = causal_attention(q_BTHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, q_offset=offset)
+            return self.c_proj(y_BHTS.transpose(1, 2).reshape(B, T, H * S)), None
+        q_BMHS, positions_BM = executed_queries(rms_norm(select.gather(q_BTHS)), cos, sin, select, offset)
+        y_BHMS = attention_at_positions(q_BMHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, positions_BM)
+        return self.c_proj(select.from_padded(y_BHMS.transpose(1, 2)).reshape(-1, H * S)), None

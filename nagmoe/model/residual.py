@@ -12,6 +12,8 @@ Each call takes an optional `stats` (a StatsCollector); with `stats=None` nothin
 A stream only *calls* `sublayer(x_BTD)` (no attribute access): when decoding, the transformer passes the
 attention sublayer with its inference cache bound (`functools.partial(attn, cache=...)`). Both streams are
 per-token maps around the sublayers, so they need no decoding state of their own.
+Under MoD (NAG only, `model.mod.skip_rate > 0`) the stream also calls `sublayer(x_BTD, select=executed)`,
+which returns `(y_ND, aux)` for the executed tokens only (nagmoe/model/mod.py).
 """
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ from torch import nn
 
 from nagmoe.model.roles import GATE, SCALAR
 from nagmoe.model.common import rms_norm
-from nagmoe.model.nag import modulator, nag_update, rms_normalise
+from nagmoe.model.mod import MoDCalibrator, eligible_sublayers
+from nagmoe.model.nag import modulator, nag_update, rms_normalise, rotation_score
 from nagmoe.model.stats import StatsCollector, mean_angle, mean_log_rms, mean_rms
+from nagmoe.ops.nag_fused import NAGOps, resolve_nag_backend
 
 _TINY = 1e-12
 
@@ -108,12 +112,14 @@ class NAGGate(nn.Module):
     """The gate of one NAG sublayer: the modulator m(R_bar) ∈ [0, 1] and the ceiling alpha.
 
     Init (reference/nag.md): weight ~ N(0, 1/d), bias 0, coef 0 (uniform softmax), softplus(beta_raw) =
-    beta_init, alpha = l^(-1/2) for the 1-based sublayer index l."""
+    beta_init, alpha = l^(-1/2) for the 1-based sublayer index l. With `mod_base` (MoD) also the base vector
+    `base (d,)` ~ N(0, base_init_std²): X_l, added to every token's branch output (nonzero, so that a skipped
+    token's N_out has a finite Jacobian and X_l learns from the first step)."""
 
-    param_roles = {"weight": GATE, "bias": GATE, "coef": GATE, "beta_raw": GATE, "alpha": GATE}
+    param_roles = {"weight": GATE, "bias": GATE, "coef": GATE, "beta_raw": GATE, "alpha": GATE, "base": GATE}
 
     def __init__(self, d_model: int, n_directions: int, sublayer_number: int, beta_init: float = 1.0,
-                 floor: float = 1e-6):
+                 floor: float = 1e-6, mod_base: bool = False, base_init_std: float = 0.02):
         super().__init__()
         self.d_model = d_model
         self.sublayer_number = sublayer_number
@@ -124,6 +130,8 @@ class NAGGate(nn.Module):
         self.coef = nn.Parameter(torch.empty(n_directions))
         self.beta_raw = nn.Parameter(torch.empty(()))
         self.alpha = nn.Parameter(torch.empty(()))
+        self.base_init_std = base_init_std
+        self.base = nn.Parameter(torch.empty(d_model)) if mod_base else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -133,6 +141,8 @@ class NAGGate(nn.Module):
         with torch.no_grad():
             self.beta_raw.fill_(math.log(math.expm1(self.beta_init)))  # softplus^-1(beta_init)
             self.alpha.fill_(self.sublayer_number ** -0.5)
+        if self.base is not None:
+            nn.init.normal_(self.base, std=self.base_init_std)
 
     def modulator(self, direction_BTD: torch.Tensor) -> torch.Tensor:
         return modulator(direction_BTD, self.weight, self.bias, self.coef, self.beta_raw, self.floor)
@@ -148,6 +158,9 @@ class NAGResidual(ResidualStream):
             s0 = log RMS(e) + g_encode;  R_bar0 = e / RMS(e)
     apply:  m = modulator(R_bar); g = alpha·m·warmup; f = F(R_bar); (s, R_bar) <- nag_update(s, R_bar, f, g)
     decode: W = rms_normalise(centre(W_U)) in the forward;  logits = exp(s_L)·cos(R_bar_L, W[v]), fp32, no cap.
+    MoD (model.mod.skip_rate > 0): r = rotation_score(alpha, m); F runs on the tokens with r > threshold
+    (`self.mod`, a MoDCalibrator); f = F(R_bar) + X_l for those, f = X_l for the others (X_l = gate.base, on
+    every sublayer, also ineligible ones and before the start, so the architecture never changes).
     """
 
     param_roles = {"g_encode": SCALAR}
@@ -158,9 +171,17 @@ class NAGResidual(ResidualStream):
         self.eps = nag.eps
         self.init_std = model_cfg.init_std if model_cfg.init_std is not None else model_cfg.d_model ** -0.5
         self.g_encode = nn.Parameter(torch.zeros((), dtype=torch.float32))  # log-space encode gain
+        mod = model_cfg.mod
         self.gates = nn.ModuleList(
-            NAGGate(model_cfg.d_model, nag.C, index + 1, nag.beta_init, nag.gain_floor)
+            NAGGate(model_cfg.d_model, nag.C, index + 1, nag.beta_init, nag.gain_floor, mod_base=mod.skip_rate > 0)
             for index in range(n_sublayers))
+        # model.nag.impl: the fused (compiled) or eager NAG update and modulator (nagmoe/ops/nag_fused.py)
+        self.impl = resolve_nag_backend(getattr(nag, "impl", "auto"))
+        self.ops = NAGOps(self.impl)
+        self.mod = None
+        if mod.skip_rate > 0:  # skipping starts after the injection warm-up (and model.mod.start_tokens)
+            self.mod = MoDCalibrator(n_sublayers, mod.skip_rate, eligible_sublayers(n_sublayers // 2, mod.sublayers),
+                                     start_tokens=max(mod.start_tokens, nag.warmup_tokens))
         # Injection warm-up factor in [0, 1], set by the trainer each step; not saved (the trainer re-sets it).
         self.register_buffer("injection_warmup", torch.ones((), dtype=torch.float32), persistent=False)
 
@@ -183,12 +204,27 @@ class NAGResidual(ResidualStream):
     def apply(self, index, sublayer, state, stats=None):
         log_norm_BT, direction_BTD = state
         gate = self.gates[index]
-        m_BT = gate.modulator(direction_BTD)
-        scale_BT = gate.alpha.float() * m_BT * self.injection_warmup
-        f_BTD, aux = sublayer(direction_BTD)
-        new_log_norm_BT, new_direction_BTD = nag_update(log_norm_BT, direction_BTD, f_BTD, scale_BT, self.eps)
+        select = None
+        if self.mod is None:  # the modulator is needed only by the update: one fused region for both
+            f_BTD, aux = sublayer(direction_BTD)
+            new_log_norm_BT, new_direction_BTD, m_BT, scale_BT = self.ops.gated_update(
+                log_norm_BT, direction_BTD, f_BTD, gate.weight, gate.bias, gate.coef, gate.beta_raw, gate.alpha,
+                self.injection_warmup, gate.floor, self.eps)
+        else:
+            m_BT = self.ops.modulator(direction_BTD, gate.weight, gate.bias, gate.coef, gate.beta_raw, gate.floor)
+            scale_BT = gate.alpha.float() * m_BT * self.injection_warmup
+            score_BT = rotation_score(gate.alpha.detach(), m_BT.detach())  # a decision: no gradient
+            select = self.mod.select(index, score_BT)
+            if select is None:  # every token executes (ineligible, or before the start)
+                f_BTD, aux = sublayer(direction_BTD)
+            else:  # F on the executed tokens only, zeros elsewhere
+                y_ND, aux = sublayer(direction_BTD, select=select)
+                f_BTD = select.scatter(y_ND)
+            f_BTD = f_BTD + gate.base.to(f_BTD.dtype)  # F(R_bar) + X_l executed, X_l skipped
+            new_log_norm_BT, new_direction_BTD = self.ops.update(log_norm_BT, direction_BTD, f_BTD, scale_BT,
+                                                                 self.eps)
         if stats is not None:
-            self._record(stats, gate, state, new_log_norm_BT, new_direction_BTD, m_BT, scale_BT)
+            self._record(stats, gate, state, new_log_norm_BT, new_direction_BTD, m_BT, scale_BT, select)
         return NAGState(new_log_norm_BT, new_direction_BTD), aux
 
     def decode(self, state, lm_head, stats=None):
@@ -202,7 +238,7 @@ class NAGResidual(ResidualStream):
             return F.linear(rms_normalise(direction_BTD.float()) * factor_BT.unsqueeze(-1), w_VD)
 
     @torch.no_grad()
-    def _record(self, stats, gate, state_in, log_norm_BT, direction_BTD, m_BT, scale_BT):
+    def _record(self, stats, gate, state_in, log_norm_BT, direction_BTD, m_BT, scale_BT, select=None):
         # the modulator base sits at the floor exactly when m = floor ** beta
         at_floor = m_BT <= (gate.floor ** gate.beta()) * (1 + 1e-4)
         stats.add_sublayer(
@@ -211,6 +247,10 @@ class NAGResidual(ResidualStream):
             alpha=gate.alpha, beta=gate.beta(),
             m_mean=m_BT.mean(), m_min=m_BT.min(), m_floor_frac=at_floor.float().mean(),
             gain_mean=scale_BT.abs().mean())
+        if self.mod is not None:
+            stats.add_sublayer(
+                score_mean=rotation_score(gate.alpha, m_BT).mean(),
+                executed_frac=1.0 if select is None else select.n / max(1, m_BT.numel()))
 
 
 RESIDUAL_STREAMS = {"prenorm": PreNormResidual, "nag": NAGResidual}

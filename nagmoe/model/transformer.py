@@ -12,6 +12,12 @@ call) and returns their logits; each block's attention keeps its `AttentionCache
 value-shift state). Everything else in the stack is per token, so both residual streams decode unchanged.
 Prefill + one-token steps equal the full forward (tests/model/test_kv_cache.py). Use under torch.no_grad().
 
+Mixture-of-Depths (NAG, `model.mod.skip_rate > 0`; nagmoe/model/mod.py): the stream decides per sublayer
+which tokens execute; the FFN/MoE is handed over wrapped in `mod.run_on_executed` (a flat gather of the
+executed tokens), the attention takes the selection itself (K/V for every token, queries for the executed).
+`mod_update(reduce_fn)` after each optimizer step sets the next step's thresholds from this step's scores
+and returns the realised executed fraction per sublayer; `set_mod_skip_rate(rate)` is the compute dial.
+
 Init (nanochat-like): embedding N(0, 1); input projections uniform with std `model.init_std` (default
 d^-0.5); output projections (c_proj, expert w_out) zero; unembedding std from the residual stream (0.001
 for pre-norm; d^-0.5 for NAG, whose rows are renormalised in the forward anyway).
@@ -19,14 +25,16 @@ for pre-norm; d^-0.5 for NAG, whose rows are renormalised in the forward anyway)
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nagmoe.errors import UserError
 from nagmoe.model.attention import AttentionCache, build_attention
 from nagmoe.model.mlp import DenseMLP
+from nagmoe.model.mod import run_on_executed
 from nagmoe.model.residual import build_residual_stream
 from nagmoe.model.roles import UNEMBEDDING
 from nagmoe.model.stats import StatsCollector
@@ -111,6 +119,38 @@ class Transformer(nn.Module):
             raise ValueError(f"injection warm-up factor must be in [0, 1], got {factor}")
         self.stream.set_injection_warmup(factor)
 
+    # ------------------------------------------------------------------------------------------------------
+    # Mixture-of-Depths
+    # ------------------------------------------------------------------------------------------------------
+    def mod_calibrator(self):
+        """The stream's MoDCalibrator, or None without MoD."""
+        return getattr(self.stream, "mod", None)
+
+    def mod_update(self, reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Optional[list]:
+        """Call after each optimizer step. Folds this step's rotation-score histograms (summed over ranks by
+        `reduce_fn`, an in-place or returning all-reduce SUM of a float64 tensor; None for one process) into
+        the thresholds of the NEXT step, and returns the realised executed fraction per sublayer (2·n_layers,
+        1.0 where nothing skipped) of the step just taken. None without MoD."""
+        mod = self.mod_calibrator()
+        return None if mod is None else mod.update(reduce_fn)
+
+    def mod_summary(self) -> dict:
+        """The run so far: `skip_rate` (realised, mean over eligible sublayers, 0. without MoD) and
+        `executed_fractions` (token-weighted per sublayer over every step; None without MoD)."""
+        mod = self.mod_calibrator()
+        if mod is None:
+            return {"skip_rate": 0.0, "executed_fractions": None}
+        fractions = mod.run_executed_fractions()
+        return {"skip_rate": mod.skip_rate_of(fractions), "executed_fractions": fractions}
+
+    def set_mod_skip_rate(self, rate: float) -> None:
+        """The post-training compute dial: thresholds for another skip rate from the saved score histograms."""
+        mod = self.mod_calibrator()
+        if mod is None:
+            raise UserError("--skip-rate: this model was trained without MoD (model.mod.skip_rate=0): it has no "
+                            "base vectors or score histograms")
+        mod.set_skip_rate(rate)
+
     def new_cache(self, max_len: Optional[int] = None) -> InferenceCache:
         """An empty decoding state for up to `max_len` positions (default model.max_seq_len)."""
         return InferenceCache(len(self.blocks), max_len or self.config.max_seq_len)
@@ -121,9 +161,12 @@ class Transformer(nn.Module):
         stats = StatsCollector() if want_stats else None
         state = self.stream.encode(self.wte, idx_BT, stats)
         aux_loss = torch.zeros((), dtype=torch.float32, device=idx_BT.device)
+        mod = self.mod_calibrator()
         for index, sublayer in enumerate(self.sublayers()):
             if cache is not None and index % 2 == 0:  # attention sublayer of block index // 2
                 sublayer = functools.partial(sublayer, cache=cache.layers[index // 2])
+            elif mod is not None and index % 2 == 1:  # FFN/MoE: on the gathered executed tokens
+                sublayer = functools.partial(run_on_executed, sublayer)
             state, aux = self.stream.apply(index, sublayer, state, stats)
             if aux is not None:
                 aux_loss = aux_loss + aux

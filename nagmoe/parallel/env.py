@@ -26,6 +26,8 @@ import torch.distributed as dist
 from nagmoe.errors import UserError
 
 DEFAULT_PORT = 29500
+TIMEOUT_ENV = "NAGMOE_DIST_TIMEOUT_S"  # process-group timeout (rendezvous and collectives), seconds
+DEFAULT_TIMEOUT_S = 1800.0  # torch's gloo default
 _SLURM_PORT_BASE, _SLURM_PORT_SPAN = 20000, 20000  # SLURM_JOB_ID -> port in [20000, 40000)
 
 
@@ -149,14 +151,36 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 1800.0) -> bool:
+def dist_timeout_s(environ: Optional[Mapping[str, str]] = None) -> float:
+    """The process-group timeout in seconds: `NAGMOE_DIST_TIMEOUT_S` when set, else DEFAULT_TIMEOUT_S.
+
+    A peer that dies mid-run is noticed at once (its sockets close and the next collective raises on every
+    other rank). The timeout bounds the two cases where nothing closes: a peer that never reaches the
+    rendezvous (killed while starting: the others would wait for its store), and a peer that hangs (a frozen
+    node, a stuck file system). Keep it above the longest gap between collectives — rank 0 hashes a whole
+    checkpoint while the others wait — so the 30-minute default suits large checkpoints."""
+    env = os.environ if environ is None else environ
+    raw = env.get(TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and value != float("inf")):
+        raise UserError(f"environment variable {TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def init_distributed(env: DistEnv, device: torch.device, timeout_s: Optional[float] = None) -> bool:
     """Initialise the default process group for `env` (no-op for one process or when one exists already).
-    Returns whether this call created the group (then `shutdown_distributed()` should end it)."""
+    `timeout_s`: rendezvous and collective timeout, default `dist_timeout_s()`. Returns whether this call
+    created the group (then `shutdown_distributed()` should end it)."""
     if not env.distributed or dist.is_initialized():
         return False
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=dist_timeout_s() if timeout_s is None else timeout_s)
     backend = backend_for(device)
     if env.source == "torchrun":  # torchrun's rendezvous (it may own the store on MASTER_PORT already)
         dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,

@@ -14,6 +14,7 @@ One process: no group at all, and every helper below is the identity (no torch.d
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -24,15 +25,41 @@ from nagmoe.config import Config, ConfigError
 from nagmoe.errors import UserError
 
 ZERO_STAGES = (0, 1, 2, 3)
+DEEPSPEED_ZERO_STAGES = (1, 2)
+
+
+def validate_engine(cfg: Config) -> None:
+    """`parallel.engine` and what it supports (README, engines table): raises ConfigError (exit 2).
+    torch: DDP + EP, Muon, MoD (parallel.zero_stage is not used). deepspeed: ZeRO 1/2 + our EP, AdamW only,
+    no MoD yet (nagmoe.parallel.deepspeed_engine)."""
+    p, m = cfg.parallel, cfg.model
+    if p.zero_stage not in ZERO_STAGES:
+        raise ConfigError(f"parallel.zero_stage: {p.zero_stage} is not one of {', '.join(map(str, ZERO_STAGES))}")
+    if p.engine == "torch":
+        return
+    if p.engine != "deepspeed":
+        raise ConfigError(f"parallel.engine: {p.engine!r} is not one of torch, deepspeed")
+    if p.zero_stage not in DEEPSPEED_ZERO_STAGES:
+        raise ConfigError(f"parallel.zero_stage: {p.zero_stage} is not supported by parallel.engine=deepspeed "
+                          "(use 1 or 2: ZeRO-3 would partition the expert stacks our expert parallelism shards "
+                          "itself; stage 0 is plain data parallelism, which parallel.engine=torch does)")
+    optimizer = cfg.train.optimizer
+    if optimizer != "adamw":
+        raise ConfigError(f"train.optimizer: {optimizer!r} is not supported by parallel.engine=deepspeed, which "
+                          "runs AdamW for every role (Muon needs whole matrices; ZeRO hands the optimizer flat "
+                          "partitions); set train.optimizer=adamw or use parallel.engine=torch")
+    if m.mod.skip_rate > 0:
+        raise ConfigError(f"model.mod.skip_rate: {m.mod.skip_rate} (Mixture-of-Depths) is not supported by "
+                          "parallel.engine=deepspeed yet; use parallel.engine=torch or model.mod.skip_rate=0")
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("parallel.engine=deepspeed needs the deepspeed package: "
+                          "DS_BUILD_OPS=0 pip install 'deepspeed==0.19.8'")
 
 
 def validate_parallel(cfg: Config, world_size: int) -> None:
     """`parallel.*` against the launch: raises ConfigError (exit 2) naming the key."""
     p, m = cfg.parallel, cfg.model
-    if p.engine != "torch":
-        raise ConfigError(f"parallel.engine: {p.engine!r} is not built yet; use torch (DDP + expert parallelism)")
-    if p.zero_stage not in ZERO_STAGES:
-        raise ConfigError(f"parallel.zero_stage: {p.zero_stage} is not one of {', '.join(map(str, ZERO_STAGES))}")
+    validate_engine(cfg)
     if p.ep < 1:
         raise ConfigError(f"parallel.ep: {p.ep} must be >= 1")
     if world_size % p.ep:

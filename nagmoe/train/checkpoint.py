@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from nagmoe.errors import UserError
+from nagmoe.train.safe_dcp import safe_dcp_load
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 FORMAT = 1
 STEP_DIR = re.compile(r"^step_(\d+)$")
+TMP_DIR = re.compile(r"^step_(\d+)\.tmp-")  # a save in progress, or one killed before it published
 _HASH_CHUNK = 1 << 22
 
 
@@ -106,7 +108,11 @@ def _tensor_state(model: nn.Module, optimizers: list[torch.optim.Optimizer],
 
 
 def _wrap_sharded(state: dict, shard_plan: dict) -> None:
-    """Replace the local shards named in `shard_plan` (and their optimizer state) by DTensors, in place."""
+    """Replace the local shards named in `shard_plan` (and their optimizer state) by DTensors, in `state`.
+
+    `get_optimizer_state_dict` returns the optimizer's own per-parameter dicts (not copies), so each is
+    copied before its entries are swapped: writing DTensors into them would leave the live optimizer mixing
+    DTensors and tensors at its next step (a mid-run checkpoint under EP crashed the run)."""
     from torch.distributed.tensor import DTensor
 
     def wrap(t: torch.Tensor, spec) -> torch.Tensor:
@@ -114,10 +120,13 @@ def _wrap_sharded(state: dict, shard_plan: dict) -> None:
         return DTensor.from_local(t, mesh, list(placements), run_check=False)
 
     model_state = state["model"]
+    optim_state = state.get("optim", {}).get("state", {})
     for name, spec in shard_plan.items():
         local = model_state[name]
         model_state[name] = wrap(local, spec)
-        per_param = state.get("optim", {}).get("state", {}).get(name, {})
+        if name not in optim_state:
+            continue
+        per_param = optim_state[name] = dict(optim_state[name])
         for key, value in list(per_param.items()):
             if torch.is_tensor(value) and value.shape == local.shape:  # momentum, Adam moments (not `step`)
                 per_param[key] = wrap(value, spec)
@@ -268,16 +277,53 @@ def verify_checkpoint(path: str) -> dict:
     return manifest
 
 
+def unfinished_writes(run_dir: str) -> list[tuple[int, str]]:
+    """Temporary directories of saves that never published (the process died mid-write), oldest first."""
+    root = os.path.join(run_dir, CHECKPOINTS)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = TMP_DIR.match(name)
+        if m and os.path.isdir(os.path.join(root, name)):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
 def latest_valid_checkpoint(run_dir: str) -> Optional[str]:
-    """Newest checkpoint directory under RUN_DIR/checkpoints whose manifest verifies, or None."""
+    """Newest checkpoint directory under RUN_DIR/checkpoints whose manifest verifies, or None. Each newer one
+    passed over is named in a warning: a published checkpoint that fails verification (corrupt, truncated,
+    incomplete) and a save that never finished (its temporary directory; the next save removes it)."""
+    chosen, chosen_step = None, -1
     for step, path in reversed(list_checkpoints(run_dir)):
         try:
             verify_checkpoint(path)
         except UserError as e:
-            log.warning("skipping checkpoint step %d: %s", step, e)
+            log.warning("skipping invalid checkpoint %s: %s", path, e)
             continue
-        return path
-    return None
+        chosen, chosen_step = path, step
+        break
+    for step, path in unfinished_writes(run_dir):
+        if step > chosen_step:
+            log.warning("skipping unfinished checkpoint %s: its save was interrupted", path)
+    return chosen
+
+
+def resume_checkpoint(run_dir: str, force: bool = False) -> Optional[str]:
+    """The checkpoint a (re)started run resumes from: the latest valid one, or None for a fresh run.
+
+    Refuses (UserError) when the run dir holds published checkpoints and none of them verifies: starting
+    over would silently replace the run (its first save prunes them as an abandoned timeline). `force`
+    starts over anyway."""
+    if not os.path.isdir(run_dir):
+        return None
+    latest = latest_valid_checkpoint(run_dir)
+    published = list_checkpoints(run_dir)
+    if latest is None and published and not force:
+        raise UserError(f"{os.path.join(run_dir, CHECKPOINTS)}: {len(published)} checkpoint(s), none is valid "
+                        "(warnings above name them); refusing to start the run over: restore or move them "
+                        "away, or pass --force")
+    return latest
 
 
 def read_checkpoint_state(path: str) -> dict:
@@ -378,7 +424,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizers=None, restore_rng: b
 
     opts = _optimizer_list(optimizers)
     tensors = _tensor_state(model, opts, shard_plan)
-    _dcp(dcp.load, tensors, path)
+    _dcp(safe_dcp_load, tensors, path)  # no arbitrary unpickling (nagmoe.train.safe_dcp)
     if shard_plan:
         tensors = _unwrap_sharded(tensors)
     set_model_state_dict(model, tensors["model"])

@@ -51,7 +51,7 @@ def prepare_run_dir(run_dir: str, cfg: Config, resuming: bool, force: bool = Fal
         diffs = config_differences(saved, cfg)
         if diffs and not force:
             raise UserError(f"{os.path.join(run_dir, CONFIG_FILE)}: resuming with a different config "
-                            f"({'; '.join(diffs[:3])}{' ...' if len(diffs) > 3 else ''}); only "
+                            f"({'; '.join(diffs)}); only "
                             f"{', '.join(RESUMABLE_KEYS)} may change (pass --force to override)")
     tmp = os.path.join(run_dir, CONFIG_FILE + ".tmp")
     with open(tmp, "w") as f:

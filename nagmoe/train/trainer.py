@@ -34,15 +34,20 @@ from nagmoe.data.bpb import bits_per_byte, bpb_sums, token_bytes
 from nagmoe.errors import UserError
 from nagmoe.flops import flops_per_token
 from nagmoe.model import build_model
+from nagmoe.parallel.deepspeed_engine import DeepSpeedEngine
 from nagmoe.parallel.expert_parallel import expert_shard_plan, shard_experts
 from nagmoe.parallel.grad_sync import clip_grad_norm_, named_params, sync_expert_grads, wrap_ddp
 from nagmoe.parallel.mesh import ParallelMesh
-from nagmoe.train.checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
+from nagmoe.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from nagmoe.train.metrics import MetricsWriter, truncate_metrics
 from nagmoe.train.optim import build_optimizers
+from nagmoe.train.guards import (
+    EXIT_GATE_COLLAPSE, EXIT_NONFINITE, TrainingHalted, collapsed_fraction, gate_collapse_message, is_nonfinite,
+    locate_nonfinite, nonfinite_message, realised_gains, warn)
 from nagmoe.train.preemption import PreemptionWatch
 from nagmoe.train.run_dir import prepare_run_dir, write_run_info, write_summary
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
+from nagmoe.train.speed import compile_model, enable_activation_checkpointing
 
 
 @dataclass
@@ -51,9 +56,11 @@ class Progress:
     tokens: int = 0
     flops: float = 0.0
     wall_s: float = 0.0  # training wall time summed over resumes
+    nonfinite_skipped: int = 0  # steps whose update was dropped (train.nonfinite=skip; nagmoe.train.guards)
 
     def as_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens, "flops": self.flops, "wall_s": self.wall_s}
+        return {"step": self.step, "tokens": self.tokens, "flops": self.flops, "wall_s": self.wall_s,
+                "nonfinite_skipped": self.nonfinite_skipped}
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -70,6 +77,9 @@ def resolved_backends(model) -> dict:
         for attr in ("impl", "backend"):
             if hasattr(sub, attr):
                 out.setdefault(f"{type(sub).__name__}.{attr}", getattr(sub, attr))
+    stream = getattr(model, "stream", None)
+    if hasattr(stream, "impl"):  # the NAG update and modulator (model.nag.impl)
+        out[f"{type(stream).__name__}.impl"] = stream.impl
     return out
 
 
@@ -101,15 +111,29 @@ class Trainer:
         self.accum = rank_rows // self.micro_rows
 
         self._check_data()
-        latest = mesh.on_rank0(lambda: latest_valid_checkpoint(run_dir) if os.path.isdir(run_dir) else None)
+        latest = mesh.on_rank0(lambda: resume_checkpoint(run_dir, force))  # refuses if none is valid
         mesh.on_rank0(lambda: prepare_run_dir(run_dir, cfg, resuming=latest is not None, force=force))
 
         torch.manual_seed(t.seed)
         self.model = build_model(m).to(self.device)  # the full model on every rank (same seed, same init) ...
+        if getattr(t, "activation_checkpointing", False):  # nagmoe/train/speed.py
+            enable_activation_checkpointing(self.model)
+        if t.compile:
+            compile_model(self.model)
         self.expert_names = shard_experts(self.model, mesh)  # ... then each EP rank keeps its experts
         self.expert_params = named_params(self.model, self.expert_names)
         self.shard_plan = expert_shard_plan(mesh, self.expert_names)
-        self.optim = build_optimizers(self.model, t)
+        # parallel.engine=deepspeed: ZeRO for the replicated parameters, our EP and AdamW for the experts
+        self.engine = (DeepSpeedEngine(self.model, self.expert_names, mesh, cfg, self.micro_rows, self.accum)
+                       if cfg.parallel.engine == "deepspeed" else None)
+        if self.engine is not None:
+            self.optim = self.engine.optim
+        elif t.optimizer == "adamw":  # AdamW for every role: the DeepSpeed engine's optimizer, on torch
+            from nagmoe.parallel.deepspeed_engine import build_adamw_optimizers
+
+            self.optim = build_adamw_optimizers(self.model, t)
+        else:
+            self.optim = build_optimizers(self.model, t)
         verify = cfg.data.verify_shards
         self.loader = TokenLoader(cfg.data.data_dir, "train", seq, self.micro_rows, t.seed, rank, world_size,
                                   verify=verify)
@@ -117,20 +141,22 @@ class Trainer:
         self.token_bytes = token_bytes(cfg.data.data_dir)
         self.progress = Progress()
         if latest is not None:
-            state = load_checkpoint(latest, self.model, self.optim, shard_plan=self.shard_plan)
+            state = (self.engine.load_checkpoint(latest) if self.engine is not None
+                     else load_checkpoint(latest, self.model, self.optim, shard_plan=self.shard_plan))
             self.progress = Progress(**state["progress"])
             self.loader.load_state_dict(state["loader"])
-            if self.rank == 0:
-                truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), self.progress.step)
             self._log(f"resumed from {latest} at step {self.progress.step}")
+        if self.rank == 0:  # also from step 0: a run killed before its first checkpoint logged steps already
+            truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), self.progress.step)
         # DDP for the replicated parameters (after the load: its start-up broadcast then changes nothing)
-        self.ddp = wrap_ddp(self.model, mesh, self.expert_names) if mesh.distributed else None
+        self.ddp = wrap_ddp(self.model, mesh, self.expert_names) if mesh.distributed and self.engine is None else None
         self.replicated_params = [p for n, p in self.model.named_parameters() if n not in set(self.expert_names)]
         self.backends = resolved_backends(self.model)
         if self.rank == 0:
             write_run_info(run_dir, self.backends, str(self.device),
                            {"resumed_from": latest, "grad_accum": self.accum, "world_size": world_size,
-                            "ep": mesh.ep, "dp": mesh.dp})
+                            "ep": mesh.ep, "dp": mesh.dp, "engine": cfg.parallel.engine,
+                            **({"deepspeed": self.engine.describe()} if self.engine is not None else {})})
         self._log(f"device {self.device}; backends: {self.backends}; grad accumulation {self.accum}")
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else nullcontext())
@@ -163,8 +189,18 @@ class Trainer:
                           resume="allow", id=os.path.basename(os.path.abspath(self.run_dir)))
 
     def local_executed_fractions(self) -> Optional[list]:
-        """This rank's realised executed fraction per sublayer (MoD), or None for full depth."""
-        return None  # full depth; the MoD issue reports realised fractions per sublayer
+        """The realised executed fraction per sublayer (MoD) of the last step, or None for full depth (and
+        before the first step). `model.mod_update` sums the step's counts over ranks, so on every rank these
+        are already the global batch's fractions (the mean over ranks leaves them unchanged)."""
+        return getattr(self, "mod_executed", None)
+
+    @staticmethod
+    def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+        """All-reduce SUM for MoD's score histograms, so every rank sets the same thresholds."""
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+        return t
 
     def executed_fractions(self) -> Optional[list]:
         """The executed fractions of the whole (global) batch: the mean over ranks of the local ones (every
@@ -226,7 +262,7 @@ class Trainer:
         warm = injection_warmup(p.tokens, m.nag.warmup_tokens) if m.residual == "nag" else 1.0
         self.model.set_injection_warmup(warm)
         loss_sum = aux_sum = 0.0
-        model = self.ddp if self.ddp is not None else self.model
+        model = self.engine if self.engine is not None else self.ddp if self.ddp is not None else self.model
         for i in range(self.accum):
             x, y = next(self.loader)
             x, y = x.to(self.device), y.to(self.device)
@@ -235,24 +271,80 @@ class Trainer:
             with self.ddp.no_sync() if skip_sync else nullcontext():
                 with self.autocast:
                     out = model(x, y)
-                ((out.loss + out.aux_loss) / self.accum).backward()
+                if self.engine is not None:  # DeepSpeed divides by the micro-steps, reduces on the last one
+                    self.engine.backward(out.loss + out.aux_loss, boundary=i == self.accum - 1)
+                else:
+                    ((out.loss + out.aux_loss) / self.accum).backward()
             loss_sum += out.loss.item()
             aux_sum += out.aux_loss.item()
+        self._last_batch = (x, y)  # the guards re-run it (non-finite scan, gate statistics)
+        if self.mesh.distributed:  # every rank takes the same guard decisions
+            loss_sum, aux_sum = self.mesh.mean([loss_sum, aux_sum])
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        if self.expert_params:  # EP: expert gradients over their replicas, then the global norm
+        if self.engine is not None and is_nonfinite(loss_sum + aux_sum, 0.0):  # before DeepSpeed's own step
+            self._nonfinite(loss_sum / self.accum, float("nan"), halt=True)
+        if self.engine is not None:  # clip by the global norm, ZeRO's and the experts' AdamW steps
+            grad_norm = self.engine.step()
+        elif self.expert_params:  # EP: expert gradients over their replicas, then the global norm
             sync_expert_grads(self.expert_params, self.mesh)
             grad_norm = clip_grad_norm_(self.replicated_params, self.expert_params, max_norm, self.mesh)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if self.mesh.distributed:
-            loss_sum, aux_sum = self.mesh.mean([loss_sum, aux_sum])
-        self.optim.step()
-        self.optim.zero_grad(set_to_none=True)
+        # the non-finite guard: nothing non-finite reaches the weights or the optimizer state
+        skipped = is_nonfinite(loss_sum + aux_sum, grad_norm)
+        if skipped:  # halts (TrainingHalted, exit 3) unless train.nonfinite=skip
+            self._nonfinite(loss_sum / self.accum, grad_norm, halt=self.engine is not None)
+        if self.engine is None:
+            if not skipped:
+                self.optim.step()
+            self.optim.zero_grad(set_to_none=True)
+        # MoD: this step's scores set the next step's thresholds; its realised fractions price this step
+        self.mod_executed = self.model.mod_update(self._sum_over_ranks if self.mesh.distributed else None)
         p.flops += self.step_flops()
         p.step += 1
         p.tokens += t.batch_tokens
+        mod = {} if self.mod_executed is None else {
+            "skip_rate": self.model.mod_calibrator().skip_rate_of(self.mod_executed),
+            "executed_fractions": self.mod_executed}
+        guard = {"nonfinite_skipped": p.nonfinite_skipped} if t.nonfinite == "skip" else {}
         return {"loss": loss_sum / self.accum, "aux_loss": aux_sum / self.accum, "lr": t.lr_matrix * lr_mult,
-                "lr_mult": lr_mult, "grad_norm": float(grad_norm), "injection_warmup": warm}
+                "lr_mult": lr_mult, "grad_norm": float(grad_norm), "injection_warmup": warm, **mod, **guard}
+
+    def _nonfinite(self, loss: float, grad_norm, halt: bool = False) -> None:
+        """The non-finite guard fired (nagmoe.train.guards): name where, then halt or count the skip.
+        DeepSpeed (`halt`) always halts: its step is not ours to skip."""
+        x, y = self._last_batch
+        where = locate_nonfinite(self.model, x, y, self.autocast,
+                                 allow_backward=not self.mesh.distributed and self.engine is None)
+        mode = "halt" if halt else self.cfg.train.nonfinite
+        message = nonfinite_message(self.progress.step, loss, grad_norm, where, mode)
+        if mode == "halt":
+            if self.rank == 0:
+                print(f"nagmoe train: error: {message}", file=sys.stderr, flush=True)
+            raise TrainingHalted(message, EXIT_NONFINITE)
+        self.progress.nonfinite_skipped += 1
+        if self.rank == 0:
+            warn(message)
+
+    def _gate_check(self, rec: dict) -> bool:
+        """The gate-collapse alarm (nagmoe.train.guards) on the metrics record `rec` of this step: adds
+        `gate_collapsed_fraction` (and `gate_collapse_alarm`) on check steps; True when the run must stop."""
+        t, m = self.cfg.train, self.cfg.model
+        if (m.residual != "nag" or not t.gate_collapse_every or rec["step"] % t.gate_collapse_every
+                or rec["injection_warmup"] < 1.0):
+            return False
+        gains = realised_gains(self.model, self._last_batch[0], self.autocast)
+        if self.mesh.distributed:  # the batch differs per rank: decide on the mean, identically everywhere
+            gains = list(self.mesh.mean(gains))
+        fraction = collapsed_fraction(gains)
+        rec["gate_collapsed_fraction"] = fraction
+        if fraction <= t.gate_collapse_fraction:
+            return False
+        rec["gate_collapse_alarm"] = True
+        if self.rank == 0:
+            warn(gate_collapse_message(rec["step"], gains, fraction, t.gate_collapse_fraction,
+                                       t.gate_collapse_stop))
+        return t.gate_collapse_stop
 
     def _moe_balance(self) -> Optional[float]:
         """max/mean tokens per expert over MoE layers of the last micro-batch, summed over ranks (1 =
@@ -273,6 +365,9 @@ class Trainer:
     def checkpoint(self) -> str:
         state = {"step": self.progress.step, "progress": self.progress.as_dict(),
                  "loader": self.loader.state_dict()}
+        if self.engine is not None:
+            return self.engine.save_checkpoint(self.run_dir, self.progress.step, state,
+                                               keep=self.cfg.train.keep_checkpoints)
         return save_checkpoint(self.run_dir, self.progress.step, self.model, self.optim, state,
                                keep=self.cfg.train.keep_checkpoints, shard_plan=self.shard_plan)
 
@@ -297,11 +392,10 @@ class Trainer:
                 rec = self.train_step()
                 dt = time.perf_counter() - t0
                 self.progress.wall_s = wall0 + time.perf_counter() - started
-                if not math.isfinite(rec["loss"]):
-                    raise RuntimeError(f"non-finite loss {rec['loss']} at step {self.progress.step}")
                 step, last = self.progress.step, self.should_stop()
                 rec = {"step": step, "tokens": self.progress.tokens, "flops": self.progress.flops,
                        **rec, "tokens_per_s": t.batch_tokens / dt, "moe_max_over_mean": self._moe_balance()}
+                gate_stop = self._gate_check(rec)  # the gate-collapse alarm: a warning and metrics fields
                 if last or (t.eval_every and step % t.eval_every == 0):
                     val_bpb = rec["val_bpb"] = self.evaluate()
                 if metrics is not None and (last or step % self.cfg.log.every == 0 or "val_bpb" in rec):
@@ -312,8 +406,11 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", bpb=f"{val_bpb:.3f}" if val_bpb else "-",
                                     tok_s=f"{rec['tokens_per_s']:.0f}")
-                if last or (t.checkpoint_every and step % t.checkpoint_every == 0):
+                if last or gate_stop or (t.checkpoint_every and step % t.checkpoint_every == 0):
                     self.checkpoint()
+                if gate_stop:
+                    raise TrainingHalted(f"stopped by the gate-collapse alarm at step {step} (checkpoint "
+                                         "written)", EXIT_GATE_COLLAPSE)
             if val_bpb is None:  # nothing left to train (e.g. resumed at the stop): evaluate for the summary
                 val_bpb = self.evaluate()
         finally:
@@ -327,6 +424,8 @@ class Trainer:
                    "skip_rate": 0.0, "executed_fractions": self.executed_fractions(),
                    "flop_budget": t.flop_budget, "residual": self.cfg.model.residual,
                    "ffn": self.cfg.model.ffn}
+        if self.model.mod_calibrator() is not None:  # MoD: realised skip rate and fractions over the whole run
+            summary.update(self.model.mod_summary())
         if self.rank == 0:
             write_summary(self.run_dir, summary)
         if self.wandb is not None:

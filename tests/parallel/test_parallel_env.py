@@ -57,7 +57,9 @@ def test_single_process_and_bad_variables():
     (["parallel.ep=2"], 1, "parallel.ep: 2 must divide the world size (1 processes)"),
     (["parallel.ep=4", "model.moe.n_experts=6"], 4, "parallel.ep: 4 must divide model.moe.n_experts=6"),
     (["parallel.ep=2", "model.ffn=dense"], 2, "parallel.ep: 2 needs model.ffn=moe"),
-    (["parallel.engine=deepspeed"], 1, "parallel.engine: 'deepspeed' is not built yet"),
+    (["parallel.engine=deepspeed", "parallel.zero_stage=3", "train.optimizer=adamw"], 1,
+     "parallel.zero_stage: 3 is not supported by parallel.engine=deepspeed"),
+    (["parallel.engine=deepspeed", "parallel.zero_stage=2"], 1, "train.optimizer: 'muon' is not supported"),
     (["parallel.zero_stage=5"], 1, "parallel.zero_stage: 5 is not one of 0, 1, 2, 3"),
 ])
 def test_validate_parallel(overrides, world, message):

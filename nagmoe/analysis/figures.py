@@ -1,0 +1,186 @@
+"""The report's figures (matplotlib, Agg backend, PNG). Each function takes plain data — lists of numbers per
+run group, a colour per group — draws one figure, writes it to `path` and returns the path, or returns None when
+there is nothing to draw (the report then says why in words).
+
+Colours are fixed per group across all figures (`palette`), so a run has one colour in the whole report.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+DPI = 110
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: files only (Slurm jobs, CI)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def palette(groups: list) -> dict:
+    colours = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+               "#bcbd22", "#17becf"]
+    return {g: colours[i % len(colours)] for i, g in enumerate(groups)}
+
+
+def _save(fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    _plt().close(fig)
+    return path
+
+
+def smooth(values: list, span: Optional[int] = None) -> list:
+    """Exponential moving average with a span of ~5% of the points (at least 1): the noisy per-step training
+    loss as a readable line. `span` = 1 returns the values."""
+    span = span or max(1, len(values) // 20)
+    alpha = 2.0 / (span + 1)
+    out, avg = [], None
+    for v in values:
+        avg = v if avg is None else alpha * v + (1 - alpha) * avg
+        out.append(avg)
+    return out
+
+
+def loss_curves(curves: dict, colours: dict, path: str) -> Optional[str]:
+    """Training loss vs cumulative training FLOPs and vs tokens. `curves`: {group: [(flops, tokens, loss) lists per
+    seed]}; seeds of one group share its colour."""
+    if not any(len(seed[2]) for seeds in curves.values() for seed in seeds):
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for group, seeds in curves.items():
+        for i, (flops, tokens, loss) in enumerate(seeds):
+            if not loss:
+                continue
+            y = smooth(loss)
+            label = group if i == 0 else None
+            axes[0].plot(flops, y, color=colours[group], lw=1.4, alpha=0.9, label=label)
+            axes[1].plot(tokens, y, color=colours[group], lw=1.4, alpha=0.9, label=label)
+    for ax, xlabel in zip(axes, ("training FLOPs", "tokens")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("training loss (nats/token, smoothed)")
+        ax.grid(alpha=0.3)
+        _clip_start(ax, curves)
+    axes[0].set_title("loss vs FLOPs (the matched quantity)")
+    axes[1].set_title("loss vs tokens seen")
+    axes[0].legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _clip_start(ax, curves: dict) -> None:
+    """Start the y axis below the early, very high losses so the endgame is readable."""
+    finals = [seed[2][-1] for seeds in curves.values() for seed in seeds if seed[2]]
+    starts = [max(seed[2][: max(1, len(seed[2]) // 10)]) for seeds in curves.values() for seed in seeds if seed[2]]
+    if finals and starts:
+        low, high = min(finals), max(starts)
+        ax.set_ylim(low - 0.1 * (high - low) - 0.05, high + 0.05)
+
+
+def val_bpb_points(points: dict, colours: dict, path: str, unigram: Optional[float] = None) -> Optional[str]:
+    """Validation bpb at the eval steps vs training FLOPs; `points`: {group: [(flops, bpb) lists per seed]}."""
+    if not any(seed for seeds in points.values() for seed in seeds):
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for group, seeds in points.items():
+        for i, seed in enumerate(seeds):
+            if seed:
+                xs, ys = zip(*seed)
+                ax.plot(xs, ys, "o-", color=colours[group], ms=4, lw=1, label=group if i == 0 else None)
+    if unigram is not None:
+        ax.axhline(unigram, color="k", ls="--", lw=1, label=f"unigram {unigram:.3f}")
+    ax.set_xlabel("training FLOPs")
+    ax.set_ylabel("validation bits per byte")
+    ax.set_title("validation bpb (lower is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def depth_panels(depth: dict, colours: dict, path: str) -> Optional[str]:
+    """Baseline and NAG side by side through depth, one line per run group (its first analysed seed):
+    residual norm, cumulative rotation, attention on BOS per layer, NAG gate gain per sublayer.
+    `depth`: {group: {"norm": [...], "rotation": [...], "bos": [...], "gain": [...] or None, "kind": str}}."""
+    if not depth:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    for group, d in depth.items():
+        c = colours[group]
+        if d.get("norm"):
+            axes[0].plot(range(len(d["norm"])), d["norm"], "o-", ms=3, color=c, label=f"{group} ({d['kind']})")
+        if d.get("rotation"):
+            axes[1].plot(range(len(d["rotation"])), d["rotation"], "o-", ms=3, color=c, label=group)
+        bos = [v if v is not None else math.nan for v in (d.get("bos") or [])]
+        if bos:
+            axes[2].plot(range(len(bos)), bos, "o-", ms=3, color=c, label=group)
+        if d.get("gain"):
+            axes[3].plot(range(len(d["gain"])), d["gain"], "o-", ms=3, color=c, label=group)
+    axes[0].set_yscale("log")
+    titles = ("residual norm through depth", "cumulative rotation (rad)", "attention mass on BOS (key 0)",
+              "NAG realised gain |alpha m| per sublayer")
+    xlabels = ("sublayer (0 = embedding)", "sublayer (0 = embedding)", "layer", "sublayer")
+    for ax, title, xlabel in zip(axes, titles, xlabels):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[2].axhline(0.5, color="k", ls=":", lw=1)
+    axes[2].set_ylim(0, 1)
+    if not any(d.get("gain") for d in depth.values()):
+        axes[3].text(0.5, 0.5, "no NAG run", ha="center", va="center", transform=axes[3].transAxes)
+    axes[0].legend(fontsize=7)
+    return _save(fig, path)
+
+
+def confidence_panels(bins: dict, colours: dict, path: str) -> Optional[str]:
+    """NAG's final log-norm as a confidence signal: mean loss and top-1 accuracy per equal-count bin.
+    `bins`: {group: [{"mean", "loss", "top1_acc"}, ...]}."""
+    bins = {g: b for g, b in bins.items() if b}
+    if not bins:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for group, rows in bins.items():
+        x = [r["mean"] for r in rows]
+        axes[0].plot(x, [r["loss"] for r in rows], "o-", ms=3, color=colours[group], label=group)
+        axes[1].plot(x, [r["top1_acc"] for r in rows], "o-", ms=3, color=colours[group], label=group)
+    for ax, ylabel in zip(axes, ("mean loss (nats)", "top-1 accuracy")):
+        ax.set_xlabel("final log-norm s (bin mean)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_title("loss by final norm (NAG)", fontsize=10)
+    axes[1].set_title("top-1 accuracy by final norm (NAG)", fontsize=10)
+    axes[0].legend(fontsize=8)
+    return _save(fig, path)
+
+
+def compute_dial(dials: dict, colours: dict, path: str, full_depth: Optional[dict] = None) -> Optional[str]:
+    """Post-training compute dial of MoD runs: validation bpb vs forward FLOPs per token relative to full depth,
+    one point per inference skip rate. `dials`: {group: [{"skip_rate", "flops_vs_full_depth", "val_bpb"}]};
+    `full_depth`: {group: bpb} of full-depth runs, drawn at x = 1 for reference."""
+    dials = {g: [r for r in rows if r.get("val_bpb") is not None] for g, rows in dials.items()}
+    dials = {g: rows for g, rows in dials.items() if rows}
+    if not dials:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for group, rows in dials.items():
+        xs = [r["flops_vs_full_depth"] for r in rows]
+        ys = [r["val_bpb"] for r in rows]
+        ax.plot(xs, ys, "o-", color=colours[group], label=f"{group} (MoD, dial)")
+        for r, x, y in zip(rows, xs, ys):
+            ax.annotate(f"{r['skip_rate']:.0%}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for group, bpb in (full_depth or {}).items():
+        if bpb is not None:
+            ax.plot([1.0], [bpb], "s", color=colours[group], label=f"{group} (full depth)")
+    ax.set_xlabel("forward FLOPs per token / full depth")
+    ax.set_ylabel("validation bits per byte")
+    ax.set_title("compute dial: skip rate chosen after training", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

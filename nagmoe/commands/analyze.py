@@ -1,0 +1,61 @@
+"""`nagmoe analyze --run-dir DIR --out FILE.json [--tokens N] [--batch-rows B] [--bins K]`: depth statistics
+(norm, rotation, NAG gates), attention to BOS per layer, confidence bins, MoD skip rates and the compute dial of
+a run's latest valid checkpoint on BOS-aligned validation windows, written as JSON (`nagmoe/analysis/`).
+Prints a few headline numbers."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from nagmoe.errors import UserError
+
+
+def add_arguments(p):
+    p.add_argument("--run-dir", required=True, help="a training run dir (config.yaml + checkpoints/)")
+    p.add_argument("--out", required=True, metavar="FILE.json", help="where to write the analysis")
+    p.add_argument("--tokens", type=int, default=16384, metavar="N", help="validation tokens to analyse")
+    p.add_argument("--batch-rows", type=int, default=8, metavar="B", help="windows per forward")
+    p.add_argument("--bins", type=int, default=10, metavar="K", help="confidence bins")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+
+
+def _json_safe(obj):
+    """Strict JSON: NaN/inf become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def _fmt(x, spec=".3f"):
+    return "n/a" if x is None else format(x, spec)
+
+
+def run(args) -> int:
+    from nagmoe.analysis.run_analysis import analyze_run
+    from nagmoe.commands.eval import resolve_device
+
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise UserError(f"--out: directory {out_dir} does not exist")
+    result = analyze_run(args.run_dir, resolve_device(args.device), args.tokens, args.batch_rows, args.bins)
+    with open(args.out, "w") as f:
+        json.dump(_json_safe(result), f, indent=2)
+    depth, sink = result["depth"], result["attention_sink"]
+    print(f"{result['residual']} run, {result['tokens']} tokens: val loss {_fmt(result['val_loss'], '.4f')}, "
+          f"bpb {_fmt(result['val_bpb'], '.4f')}")
+    print(f"norm growth through depth ({depth['norm_curve_kind']}): x{_fmt(depth['norm_growth'])}; cumulative "
+          f"rotation {depth['cumulative_rotation'][-1]:.3f} rad")
+    print(f"attention on BOS: mean {_fmt(sink['mean_first_key_mass'])}, layers above 50%: "
+          f"{sink['layers_above_half']}/{sink['n_layers']}")
+    for name, rep in result["confidence"].items():
+        print(f"confidence by {name}: spearman vs loss {_fmt(rep['spearman_loss'])}, "
+              f"vs top-1 {_fmt(rep['spearman_top1'])}")
+    print(f"mod: {'see JSON' if isinstance(result['mod'], dict) else result['mod']}; compute dial: "
+          f"{'see JSON' if isinstance(result['compute_dial'], list) else result['compute_dial']}")
+    print(f"wrote {args.out}")
+    return 0

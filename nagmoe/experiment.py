@@ -1,0 +1,429 @@
+"""FLOP-matched experiments: one YAML file names the runs, the seeds and the one FLOP budget they all share.
+
+    name: demo                      # run dirs land in RUNS_ROOT/NAME/RUN-sSEED/ (RUNS_ROOT defaults to runs/)
+    flop_budget: 1.06703e+13        # training FLOPs of every run (the LR horizon and the stop)
+    seeds: [0]                      # each run is repeated per seed (train.seed)
+    runs:
+      baseline: {config: ../tiny-prenorm.yaml}
+      nag:      {config: ../tiny.yaml, overrides: [model.nag.C=8]}
+    overrides: [train.eval_every=50]  # optional: applied to every run, before the run's own
+    report: {eval_items: 200, analysis_tokens: 16384}  # optional: what `nagmoe report` measures
+    description: one line shown at the top of the report   # optional
+
+Config paths are relative to the experiment file's folder (like `inherit:`). The resolved config of a run is
+`config` + `train.flop_budget=<flop_budget>` + `train.max_steps=null` + the experiment's overrides + the run's
+overrides + the command line's overrides + `train.seed=<seed>`; overriding `train.flop_budget` or `train.seed`
+anywhere is refused (the budget is what makes the runs comparable). A capped `train.max_steps` is allowed
+(smoke tests) but the report then shows runs that stopped before their budget.
+
+Locally the runs train one after another in this process (a run dir with summary.json is finished and
+skipped; an unfinished one resumes from its latest checkpoint). On Slurm every run x seed is one training job
+(`launch/train.sbatch`, the same script `nagmoe launch slurm` writes) and one report job waits for all of them
+with `afterany`, so a failed run does not block the report of the others.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from nagmoe.config import Config, ConfigError, dump_yaml, load_config, parse_overrides, set_key, yaml_load
+from nagmoe.errors import UserError
+
+SUMMARY_FILE = "summary.json"
+REPORT_FILE = "report.html"
+MANAGED_KEYS = ("train.flop_budget", "train.seed")  # set by the experiment, never by an override
+TOP_KEYS = ("name", "flop_budget", "seeds", "runs", "overrides", "report", "description")
+RUN_KEYS = ("config", "overrides")
+REPORT_KEYS = ("eval_items", "analysis_tokens")
+DEFAULT_REPORT = {"eval_items": 200, "analysis_tokens": 16384}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass
+class RunSpec:
+    name: str
+    config: str  # absolute path
+    overrides: list = field(default_factory=list)
+
+
+@dataclass
+class Experiment:
+    name: str
+    flop_budget: float
+    seeds: list
+    runs: dict  # name -> RunSpec, in file order
+    path: str
+    overrides: list = field(default_factory=list)
+    report: dict = field(default_factory=lambda: dict(DEFAULT_REPORT))
+    description: str = ""
+
+    def out_dir(self, runs_root: str = "runs") -> str:
+        return os.path.join(runs_root, self.name)
+
+    def plan(self, runs_root: str = "runs", only: Optional[list] = None, overrides: tuple = ()) -> list:
+        """Every (run, seed) as a RunPlan with its resolved, validated config; `only` picks run names."""
+        names = list(self.runs)
+        if only:
+            for name in only:
+                if name not in self.runs:
+                    raise UserError(f"--only: {name!r} is not a run of {self.path} ({_hint(name, names)})")
+            names = [n for n in names if n in only]
+        _refuse_managed(overrides, "command line override")
+        plans = []
+        for name in names:
+            spec = self.runs[name]
+            for seed in self.seeds:
+                run_overrides = [f"train.flop_budget={self.flop_budget:.10e}", "train.max_steps=null",
+                                 *self.overrides, *spec.overrides, *overrides, f"train.seed={seed}"]
+                try:
+                    cfg = load_config(spec.config, run_overrides)
+                except ConfigError as e:
+                    raise UserError(f"{self.path}: run {name} (seed {seed}): {e}") from None
+                run_dir = os.path.join(self.out_dir(runs_root), f"{name}-s{seed}")
+                plans.append(RunPlan(name, seed, run_dir, cfg, spec.config, run_overrides))
+        for p in plans:
+            p.check_budget()
+        return plans
+
+
+@dataclass
+class RunPlan:
+    run: str
+    seed: int
+    run_dir: str
+    config: Config
+    config_path: str
+    overrides: list
+
+    @property
+    def label(self) -> str:
+        return f"{self.run}-s{self.seed}"
+
+    @property
+    def done(self) -> bool:
+        """Finished with this config: summary.json, and the saved config equals the planned one (the device
+        aside). A finished run whose budget or config changed is handed to the trainer again, which continues
+        to a new budget or refuses a structural change with a message."""
+        from nagmoe.train.run_dir import config_differences, read_saved_config
+
+        if not os.path.isfile(os.path.join(self.run_dir, SUMMARY_FILE)):
+            return False
+        try:
+            saved = read_saved_config(self.run_dir)
+        except Exception:  # unreadable: let the trainer say what is wrong
+            return False
+        if saved is None or any(getattr(saved.train, k) != getattr(self.config.train, k)
+                                for k in ("flop_budget", "max_steps")):  # the stops (resumable keys)
+            return False
+        return not [d for d in config_differences(saved, self.config) if not d.startswith("train.device:")]
+
+    def full_depth_flops_per_token(self) -> float:
+        from nagmoe.flops import flops_per_token
+
+        return flops_per_token(self.config.model, self.config.data.seq_len)
+
+    def ideal_flops_per_token(self) -> float:
+        """At the target skip rate on every sublayer (MoD), else full depth: the plan's token estimate."""
+        from nagmoe.flops import flops_per_token
+
+        return flops_per_token(self.config.model, self.config.data.seq_len, 1.0 - self.config.model.mod.skip_rate)
+
+    def expected_tokens(self) -> float:
+        return self.config.train.flop_budget / self.ideal_flops_per_token()
+
+    def expected_steps(self) -> float:
+        return self.expected_tokens() / self.config.train.batch_tokens
+
+    def check_budget(self) -> None:
+        step = self.full_depth_flops_per_token() * self.config.train.batch_tokens
+        if self.config.train.flop_budget < step:
+            raise UserError(f"flop_budget: {self.config.train.flop_budget:.4g} is below one training step of run "
+                            f"{self.run} ({step:.4g} FLOPs at full depth)")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading the file
+# ----------------------------------------------------------------------------------------------------------
+def _hint(name: str, known: list) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known) or 'none'}"
+
+
+def _check_keys(where: str, data: dict, known: tuple) -> None:
+    for key in data:
+        if key not in known:
+            raise UserError(f"{where}: unknown key {key!r} ({_hint(str(key), list(known))})")
+
+
+def _override_list(where: str, value) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UserError(f"{where}: must be a list of 'key.sub=value' strings")
+    try:
+        parse_overrides(value)
+    except ConfigError as e:
+        raise UserError(f"{where}: {e}") from None
+    _refuse_managed(value, where)
+    return list(value)
+
+
+def _refuse_managed(overrides, where: str) -> None:
+    for key, _ in parse_overrides(overrides):
+        if key in MANAGED_KEYS:
+            raise UserError(f"{where}: {key} is set by the experiment (flop_budget, seeds); remove the override")
+
+
+def _positive_number(where: str, value) -> float:
+    try:  # PyYAML reads 1.2e13 (no exponent sign) as a string
+        number = float(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not number > 0 or number == float("inf"):
+        raise UserError(f"{where}: {value!r} must be a positive number (training FLOPs)")
+    return number
+
+
+def load_experiment(path: str) -> Experiment:
+    """Read and check an experiment file; UserError naming the file and the key on any problem."""
+    if not os.path.isfile(path):
+        raise UserError(f"experiment file not found: {path}")
+    with open(path) as f:
+        try:
+            data = yaml_load(f)
+        except Exception as e:  # yaml.YAMLError and friends: one line
+            raise UserError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: top level must be a mapping with name, flop_budget, seeds, runs")
+    _check_keys(path, data, TOP_KEYS)
+    for key in ("name", "flop_budget", "seeds", "runs"):
+        if key not in data:
+            raise UserError(f"{path}: missing {key!r} (an experiment needs name, flop_budget, seeds, runs)")
+    name = data["name"]
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise UserError(f"{path}: name: {name!r} must be one word of letters, digits, '.', '_' or '-'")
+    budget = _positive_number(f"{path}: flop_budget", data["flop_budget"])
+    seeds = data["seeds"]
+    seeds = [seeds] if isinstance(seeds, int) and not isinstance(seeds, bool) else seeds
+    if (not isinstance(seeds, list) or not seeds
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
+        raise UserError(f"{path}: seeds: {data['seeds']!r} must be a non-empty list of integers >= 0")
+    if len(set(seeds)) != len(seeds):
+        raise UserError(f"{path}: seeds: {seeds} repeats a seed")
+    if not isinstance(data["runs"], dict) or not data["runs"]:
+        raise UserError(f"{path}: runs: must map run names to {{config: PATH, overrides: [...]}}")
+    folder = os.path.dirname(os.path.abspath(path))
+    runs = {}
+    for run_name, spec in data["runs"].items():
+        where = f"{path}: runs.{run_name}"
+        if not isinstance(run_name, str) or not _NAME.match(run_name):
+            raise UserError(f"{where}: the run name must be one word of letters, digits, '.', '_' or '-'")
+        if not isinstance(spec, dict) or "config" not in spec:
+            raise UserError(f"{where}: must be a mapping with 'config' (and optional 'overrides')")
+        _check_keys(where, spec, RUN_KEYS)
+        config = os.path.normpath(os.path.join(folder, str(spec["config"])))
+        if not os.path.isfile(config):
+            raise UserError(f"{where}.config: {config} not found (paths are relative to the experiment file)")
+        runs[run_name] = RunSpec(run_name, config, _override_list(f"{where}.overrides", spec.get("overrides")))
+    report = dict(DEFAULT_REPORT)
+    if data.get("report") is not None:
+        if not isinstance(data["report"], dict):
+            raise UserError(f"{path}: report: must be a mapping ({', '.join(REPORT_KEYS)})")
+        _check_keys(f"{path}: report", data["report"], REPORT_KEYS)
+        for key, value in data["report"].items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise UserError(f"{path}: report.{key}: {value!r} must be an integer >= 0 (0 = skip)")
+            report[key] = value
+    return Experiment(name=name, flop_budget=budget, seeds=list(seeds), runs=runs, path=path,
+                      overrides=_override_list(f"{path}: overrides", data.get("overrides")), report=report,
+                      description=str(data.get("description") or ""))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Describing, training locally, reporting
+# ----------------------------------------------------------------------------------------------------------
+def describe(exp: Experiment, plans: list) -> str:
+    """The plan as text: the shared budget, then one line per run x seed."""
+    lines = [f"experiment {exp.name} ({exp.path}): shared FLOP budget {exp.flop_budget:.6g} training FLOPs per "
+             f"run; seeds {', '.join(map(str, exp.seeds))}; {len(plans)} run(s)"]
+    width = max(len(p.label) for p in plans)
+    for p in plans:
+        mod = p.config.model.mod.skip_rate
+        lines.append(f"  {p.label:<{width}}  {os.path.relpath(p.config_path):<34} ~{p.expected_steps():,.0f} steps,"
+                     f" ~{p.expected_tokens():,.0f} tokens{f' (MoD {mod:.0%}, ideal)' if mod else ''}  -> "
+                     f"{p.run_dir}{'  [done]' if p.done else ''}")
+    return "\n".join(lines)
+
+
+def check_data(plans: list) -> None:
+    """Before training anything locally: every unfinished run's data is prepared (UserError naming the first
+    that is not). Slurm submissions skip this: a data-preparation job may still be producing it."""
+    from nagmoe.data import shards
+
+    for p in plans:
+        index = os.path.join(p.config.data.data_dir, shards.INDEX)
+        if not p.done and not os.path.isfile(index):
+            raise UserError(f"run {p.label}: {index}: no prepared data; run `nagmoe prepare-data --config "
+                            f"{os.path.relpath(p.config_path)}` first")
+
+
+def train_local(plans: list, quiet: bool = False, log: Callable[[str], None] = print) -> dict:
+    """Train the plans one after another; {label: "done" | "trained" | "failed: <message>"}. A failed run is
+    reported and the next one starts (the report still shows the others)."""
+    from nagmoe.train.trainer import Trainer
+
+    status = {}
+    for i, p in enumerate(plans, 1):
+        if p.done:
+            log(f"[experiment] {i}/{len(plans)} {p.label}: finished already ({p.run_dir}/{SUMMARY_FILE})")
+            status[p.label] = "done"
+            continue
+        log(f"[experiment] {i}/{len(plans)} {p.label}: training {os.path.relpath(p.config_path)} -> {p.run_dir}")
+        started = time.time()
+        try:
+            summary = Trainer(p.config, p.run_dir, quiet=quiet).run()
+        except (KeyboardInterrupt, UserError):
+            raise
+        except Exception as e:  # a diverged or crashed run must not stop the others
+            log(f"[experiment] {p.label}: FAILED: {type(e).__name__}: {e}")
+            status[p.label] = f"failed: {type(e).__name__}: {e}"
+            continue
+        bpb = summary.get("val_bpb")
+        log(f"[experiment] {p.label}: val bpb {bpb:.4f}, {summary['tokens']:,} tokens, {summary['steps']} steps, "
+            f"{time.time() - started:.0f} s")
+        status[p.label] = "trained"
+    return status
+
+
+def report_run_dirs(exp: Experiment, runs_root: str = "runs") -> list:
+    """Every run dir of the experiment (all runs and seeds, whether trained or not), in file order."""
+    return [os.path.join(exp.out_dir(runs_root), f"{name}-s{seed}") for name in exp.runs for seed in exp.seeds]
+
+
+def write_experiment_report(exp: Experiment, runs_root: str = "runs", device: str = "auto",
+                            log: Callable[[str], None] = print) -> dict:
+    from nagmoe.analysis.report import write_report
+
+    return write_report(report_run_dirs(exp, runs_root), exp.out_dir(runs_root), title=f"experiment {exp.name}",
+                        description=exp.description, eval_items=exp.report["eval_items"],
+                        analysis_tokens=exp.report["analysis_tokens"], device=device, log=log)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Slurm
+# ----------------------------------------------------------------------------------------------------------
+REPORT_SCRIPT = """#!/bin/bash
+# nagmoe experiment {name}: the report, after every training job has ended (afterany: failed runs included).
+{sbatch_lines}
+
+set -uo pipefail
+export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{threads}}}
+echo "[nagmoe] report of experiment {name} (job $SLURM_JOB_ID) -> {out}"
+exec {python} -m nagmoe report {run_dirs} --out {out} --title {title}{description} \\
+  --eval-items {eval_items} --analysis-tokens {analysis_tokens}
+"""
+
+
+@dataclass
+class SlurmJob:
+    label: str
+    run_dir: str
+    script: str  # text
+    path: str  # where it is (or would be) written
+    config_yaml: str = ""
+    job_id: Optional[str] = None
+
+
+def slurm_jobs(exp: Experiment, plans: list, opts, runs_root: str = "runs", force: bool = False) -> tuple:
+    """(training jobs for the unfinished plans, the report job), rendered but not written."""
+    from nagmoe.launch import slurm
+
+    opts.validate()
+    jobs = []
+    for p in plans:
+        if p.done:
+            continue
+        cfg = p.config
+        if opts.cpu_mode:  # gloo ranks on CPUs, as `nagmoe launch slurm --gpus-per-node 0`
+            if cfg.train.device == "cuda":
+                raise UserError(f"run {p.label}: train.device=cuda with --gpus-per-node 0 (CPU mode)")
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train))
+            set_key(cfg, "train.device", "cpu")
+        elif cfg.train.device == "cpu":
+            raise UserError(f"run {p.label}: train.device=cpu with --gpus-per-node {opts.gpus_per_node}: use "
+                            "--gpus-per-node 0 --procs-per-node K for CPU ranks")
+        run_dir = os.path.abspath(p.run_dir)
+        config_yaml = dump_yaml(cfg)
+        slurm.check_resume_config(run_dir, config_yaml, force)
+        job_opts = dataclasses.replace(opts, job_name=f"{opts.job_name or exp.name}-{p.label}")
+        script = slurm.render_train_script(job_opts, run_dir, force=force)
+        jobs.append(SlurmJob(p.label, run_dir, script, os.path.join(run_dir, slurm.SLURM_DIR, slurm.TRAIN_TEMPLATE),
+                             config_yaml))
+    out = os.path.abspath(exp.out_dir(runs_root))
+    lines = slurm.sbatch_lines(opts, f"{opts.job_name or exp.name}-report",
+                               os.path.join(out, slurm.SLURM_DIR, "slurm-report-%j.out"),
+                               gpus=0 if opts.cpu_mode else 1, cpus_per_task=opts.cpus_per_task)
+    run_dirs = " ".join(shlex.quote(os.path.abspath(d)) for d in report_run_dirs(exp, runs_root))
+    text = REPORT_SCRIPT.format(
+        name=exp.name, sbatch_lines=lines, threads=opts.cpus_per_task or 1, out=shlex.quote(out),
+        python=shlex.quote(sys.executable), run_dirs=run_dirs, title=shlex.quote(f"experiment {exp.name}"),
+        description=f" --description {shlex.quote(exp.description)}" if exp.description else "",
+        eval_items=exp.report["eval_items"], analysis_tokens=exp.report["analysis_tokens"])
+    report = SlurmJob("report", out, text, os.path.join(out, slurm.SLURM_DIR, "report.sbatch"))
+    return jobs, report
+
+
+def describe_slurm(exp: Experiment, plans: list, jobs: list, report, opts) -> str:
+    done = [p.label for p in plans if p.done]
+    mode = (f"CPU mode, {opts.procs_per_node} gloo rank(s) per node" if opts.cpu_mode
+            else f"{opts.gpus_per_node} GPU(s) per node")
+    lines = [f"experiment {exp.name}: shared FLOP budget {exp.flop_budget:.6g} training FLOPs per run "
+             f"(train.flop_budget of every job); {len(jobs)} training job(s) + 1 report job",
+             f"  each training job: {opts.nodes} node(s), {mode}, time limit {opts.time or 'the partition default'}"
+             " (requeues itself after a preemption checkpoint)"]
+    for i, j in enumerate(jobs, 1):
+        lines.append(f"  job {i}: train {j.label:<20} run dir {j.run_dir}  script {j.path}")
+    if done:
+        lines.append(f"  finished already (no job): {', '.join(done)}")
+    dep = ("--dependency=afterany:" + ":".join(f"<job {i}>" for i in range(1, len(jobs) + 1))
+           + " (starts when every training job has ended, succeeded or failed)") if jobs else "no dependency"
+    command = re.sub(r"\s*\\\n\s*", " ", report.script.split("exec ", 1)[1]).strip()
+    lines.append(f"  report job: {report.path} -> {report.run_dir}/{REPORT_FILE}; {dep}")
+    lines.append(f"    {command}")
+    return "\n".join(lines)
+
+
+def submit_slurm(jobs: list, report, log: Callable[[str], None] = print) -> str:
+    """Write and submit the training jobs, then the report job with afterany on all of them; its job id."""
+    from nagmoe.launch import slurm
+
+    slurm.require_sbatch()
+    os.makedirs(os.path.dirname(report.path), exist_ok=True)
+    with open(report.path, "w") as f:
+        f.write(report.script)
+    os.chmod(report.path, 0o755)
+    submitted = []
+    try:
+        for j in jobs:
+            slurm.write_files(j.run_dir, j.config_yaml, {slurm.TRAIN_TEMPLATE: j.script})
+            j.job_id = slurm.submit(j.path)
+            submitted.append(j.job_id)
+            log(f"submitted job {j.job_id}: train {j.label} (run dir {j.run_dir})")
+        dependency = ("afterany:" + ":".join(submitted)) if submitted else None
+        report.job_id = slurm.submit(report.path, dependency)
+    except UserError as e:
+        if not submitted:
+            raise
+        raise UserError(f"{e}; already submitted: job(s) {', '.join(submitted)} (cancel with `scancel "
+                        f"{' '.join(submitted)}`, or submit the report after them: `sbatch --dependency=afterany:"
+                        f"{':'.join(submitted)} {report.path}`)") from None
+    log(f"submitted job {report.job_id}: report -> {os.path.join(report.run_dir, REPORT_FILE)}"
+        f"{f' (dependency {dependency})' if dependency else ''}")
+    return report.job_id

@@ -1,0 +1,323 @@
+"""parallel.engine=deepspeed on 2 real gloo ranks (fresh processes, OMP_NUM_THREADS=1) against the torch engine.
+
+One 2-rank session (module fixture) runs every scenario; the tests check its results:
+  * each rank's experts (and everything else) survive `deepspeed.initialize` unchanged, while the same expert
+    stacks handed to DeepSpeed as ordinary parameters get rank 0's broadcast over rank 1's (the check can fail);
+  * with the same optimizer (AdamW for every role), 3 steps of EP=2 with 2 accumulation micro-steps give the
+    torch engine's losses, gradient norms, full gradients before clipping and final parameters (fp32, 1e-5),
+    under ZeRO-1 and ZeRO-2, and so does DP=2 (EP=1, experts inside ZeRO) under ZeRO-2; clipping is active
+    (the norms exceed train.grad_clip);
+  * 2 steps, a DeepSpeed checkpoint, a resume to 3 steps: the trajectory of the straight 3-step run, bitwise;
+    the run dir keeps its contract (metrics once per step, summary.json, run_info.json, verified checkpoints);
+  * the whole model read back from a DeepSpeed checkpoint in one process (no unpickling) gives the logits of
+    the trained 2-rank EP model.
+One process through the CLI: a DeepSpeed run and its resume; unsupported combinations exit 2 with a message.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from ds_ranks import requires_deepspeed, run_ranks
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.abspath(__file__)
+
+pytestmark = pytest.mark.distributed
+
+TOL = 1e-5
+STEPS = 3
+# 4 rows of 64 tokens per step: 2 per rank, one per micro-step (2 accumulation micro-steps)
+BASE = ("train.micro_batch_tokens=64", f"train.max_steps={STEPS}", "train.eval_tokens=256", "train.schedule_steps=10",
+        "train.warmup_steps=2", "parallel.ep=2", "train.optimizer=adamw")
+DS = ("parallel.engine=deepspeed",)
+
+
+def load(overrides):
+    from nagmoe.config import load_config
+
+    return load_config(os.path.join(REPO, "configs/tiny.yaml"), list(overrides))
+
+
+def params_of(model):
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def probe_idx():
+    return torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(7))
+
+
+def step_losses(run_dir):
+    from nagmoe.train.metrics import read_metrics
+
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What the 2 ranks run (in fresh processes: ds_ranks imports this file there)
+# ----------------------------------------------------------------------------------------------------------
+def experts_through_initialize(overrides):
+    """Parameters before and after our engine's `deepspeed.initialize`, and rank 1's experts after handing
+    the plain model to DeepSpeed (the broadcast we avoid)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from nagmoe.model import build_model
+    from nagmoe.parallel.deepspeed_engine import DeepSpeedEngine
+    from nagmoe.parallel.expert_parallel import shard_experts
+    from nagmoe.parallel.mesh import ParallelMesh
+
+    cfg = load([*overrides, *DS, "parallel.zero_stage=2"])
+    mesh = ParallelMesh.from_process_group(cfg)
+
+    def sharded_model():
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg.model)
+        return model, shard_experts(model, mesh)
+
+    model, names = sharded_model()
+    before = params_of(model)
+    DeepSpeedEngine(model, names, mesh, cfg, micro_rows=1, accum=2)
+    after = params_of(model)
+
+    # control: the same expert stacks as ordinary parameters of the module DeepSpeed gets
+    plain = torch.nn.ParameterDict({n.replace(".", "_"): torch.nn.Parameter(torch.tensor(before[n])) for n in names})
+    deepspeed.initialize(model=plain, optimizer=torch.optim.AdamW(plain.parameters()),
+                         config=DeepSpeedEngine.deepspeed_config(cfg, 1, 2, dist.get_world_size(), 10 ** 6))
+    plain_changed = sorted(n for n in names if not np.array_equal(plain[n.replace(".", "_")].detach().numpy(),
+                                                                    before[n]))
+    return {"names": names, "before": before, "after": after, "plain_changed": plain_changed}
+
+
+def train_recording(overrides, run_dir):
+    """Train with the Trainer; record per step the full gradients before clipping (both engines)."""
+    import nagmoe.train.trainer as trainer_module
+    trainer = trainer_module.Trainer(load(overrides), run_dir, quiet=True)
+    grads = []
+    if trainer.engine is not None:
+        engine, step = trainer.engine, trainer.engine.step
+
+        def recording_step():
+            grads.append({n: g.numpy().copy() for n, g in engine.full_gradients().items()})
+            return step()
+
+        engine.step = recording_step
+        trainer.run()
+    else:
+        # the trainer clips with grad_sync.clip_grad_norm_ under EP, torch's otherwise: record before either
+        ep_clip, torch_clip = trainer_module.clip_grad_norm_, torch.nn.utils.clip_grad_norm_
+
+        def recording(clip):
+            def clip_after_recording(*args, **kwargs):
+                grads.append({n: p.grad.numpy().copy() for n, p in trainer.model.named_parameters()})
+                return clip(*args, **kwargs)
+            return clip_after_recording
+
+        trainer_module.clip_grad_norm_, torch.nn.utils.clip_grad_norm_ = recording(ep_clip), recording(torch_clip)
+        try:
+            trainer.run()
+        finally:
+            trainer_module.clip_grad_norm_, torch.nn.utils.clip_grad_norm_ = ep_clip, torch_clip
+    trainer.model.eval()
+    with torch.no_grad():  # collective under EP: every rank runs it
+        logits = trainer.model(probe_idx()).logits.numpy()
+    return {"grads": grads, "params": params_of(trainer.model), "expert_names": trainer.expert_names,
+            "logits": logits}
+
+
+def resume(overrides, run_dir):
+    """Train to step 2 (checkpoint), then resume in a new Trainer to step 3."""
+    import torch.distributed as dist
+
+    from nagmoe.train.trainer import Trainer
+
+    Trainer(load([*overrides, "train.max_steps=2"]), run_dir, quiet=True).run()
+    dist.barrier()
+    trainer = Trainer(load(overrides), run_dir, quiet=True)
+    start = trainer.progress.step
+    trainer.run()
+    return {"start": start, "params": params_of(trainer.model)}
+
+
+def two_rank_session(overrides, tmp):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = {"init": experts_through_initialize(overrides)}
+    # every run uses train.optimizer=adamw (BASE): the torch engine then runs the DeepSpeed engine's optimizer
+    runs = {"torch": [], "zero1": [*DS, "parallel.zero_stage=1"], "zero2": [*DS, "parallel.zero_stage=2"],
+            # data parallel only: the experts are replicated, so ZeRO manages them with the rest
+            "torch_dp": ["parallel.ep=1"], "zero2_dp": [*DS, "parallel.zero_stage=2", "parallel.ep=1"]}
+    for name, extra in runs.items():
+        run_dir = os.path.join(tmp, name)
+        out[name] = train_recording([*overrides, *extra], run_dir)
+        out[name]["losses"] = step_losses(run_dir) if rank == 0 else None
+    run_dir = os.path.join(tmp, "resumed")
+    out["resumed"] = resume([*overrides, *DS, "parallel.zero_stage=2"], run_dir)
+    out["resumed"]["losses"] = step_losses(run_dir) if rank == 0 else None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fixtures
+# ----------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def overrides(micro_overrides):
+    return [*micro_overrides, *BASE]
+
+
+@pytest.fixture(scope="module")
+def session(overrides, ds_env, tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("ds_two_ranks"))
+    results = run_ranks(HERE, "two_rank_session", 2, (overrides, tmp), ds_env, os.path.join(tmp, "ranks"),
+                        timeout=300)
+    return tmp, results
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------------------
+@requires_deepspeed
+def test_experts_survive_deepspeed_initialize(session):
+    _, results = session
+    names = results[0]["init"]["names"]
+    assert names == ["blocks.0.ffn.w_in", "blocks.0.ffn.w_out", "blocks.1.ffn.w_in", "blocks.1.ffn.w_out"]
+    for r in results:
+        init = r["init"]
+        assert init["before"].keys() == init["after"].keys()
+        for n, v in init["before"].items():
+            np.testing.assert_array_equal(init["after"][n], v, err_msg=n)
+    # the ranks hold different experts (w_in is randomly initialised; w_out starts at zero on both)
+    w_in = [r["init"]["after"]["blocks.0.ffn.w_in"] for r in results]
+    assert w_in[0].shape[0] == 2 and not np.array_equal(w_in[0], w_in[1])
+    # control: DeepSpeed given the experts as ordinary parameters broadcasts rank 0's over rank 1's
+    assert "blocks.0.ffn.w_in" in results[1]["init"]["plain_changed"]
+    assert results[0]["init"]["plain_changed"] == []
+
+
+@requires_deepspeed
+@pytest.mark.parametrize("name,reference", [("zero1", "torch"), ("zero2", "torch"), ("zero2_dp", "torch_dp")])
+def test_deepspeed_engine_equals_torch_engine(session, name, reference):
+    _, results = session
+    want, got = results[0][reference]["losses"], results[0][name]["losses"]
+    assert [s for s, _, _ in got] == [s for s, _, _ in want] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([v for _, v, _ in got], [v for _, v, _ in want], rtol=0, atol=TOL)
+    np.testing.assert_allclose([g for _, _, g in got], [g for _, _, g in want], rtol=1e-6, atol=0)
+    assert max(g for _, _, g in want) > 1.0  # train.grad_clip=1 clips, so the global norm matters
+    for rank in (0, 1):
+        torch_run, ds_run = results[rank][reference], results[rank][name]
+        assert ds_run["expert_names"] == torch_run["expert_names"]
+        assert len(ds_run["grads"]) == len(torch_run["grads"]) == STEPS
+        for step, (g_ds, g_torch) in enumerate(zip(ds_run["grads"], torch_run["grads"]), 1):
+            assert g_ds.keys() == g_torch.keys()
+            for n, v in g_torch.items():
+                np.testing.assert_allclose(g_ds[n], v, rtol=0, atol=TOL, err_msg=f"rank {rank} step {step} {n}")
+        for n, v in torch_run["params"].items():
+            np.testing.assert_allclose(ds_run["params"][n], v, rtol=0, atol=TOL, err_msg=f"rank {rank} {n}")
+
+
+@requires_deepspeed
+def test_deepspeed_resume_continues_the_exact_trajectory(session):
+    tmp, results = session
+    resumed, straight = results[0]["resumed"], results[0]["zero2"]
+    assert resumed["start"] == 2
+    assert resumed["losses"] == straight["losses"]  # bitwise, each step once (metrics truncated on resume)
+    for rank in (0, 1):
+        for n, v in results[rank]["zero2"]["params"].items():
+            np.testing.assert_array_equal(results[rank]["resumed"]["params"][n], v, err_msg=f"rank {rank} {n}")
+    # the run-dir contract
+    run_dir = os.path.join(tmp, "resumed")
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        assert json.load(f)["steps"] == STEPS
+    with open(os.path.join(run_dir, "run_info.json")) as f:
+        info = json.load(f)
+    assert info["engine"] == "deepspeed" and info["deepspeed"]["zero_stage"] == 2
+    assert info["resumed_from"].endswith("step_000002") and len(info["previous"]) == 1
+    from nagmoe.train.checkpoint import latest_valid_checkpoint, read_checkpoint_state
+
+    latest = latest_valid_checkpoint(run_dir)
+    assert latest.endswith("step_000003")
+    state = read_checkpoint_state(latest)
+    assert state["format"] == "deepspeed-1" and state["layout"] == {"world_size": 2, "ep": 2, "zero_stage": 2}
+    files = set(os.listdir(latest))
+    assert {"own_rank_00000.pt", "own_rank_00001.pt", "mp_rank_00_model_states.pt",
+            "manifest.json", "state.json"} <= files
+
+
+@requires_deepspeed
+def test_deepspeed_checkpoint_reads_back_as_one_model(session):
+    from nagmoe.model import build_model
+    from nagmoe.parallel.deepspeed_engine import deepspeed_model_state
+    from nagmoe.train.checkpoint import latest_valid_checkpoint
+    from nagmoe.train.run_dir import read_saved_config
+
+    tmp, results = session
+    run_dir = os.path.join(tmp, "zero2")
+    cfg = read_saved_config(run_dir)
+    model = build_model(cfg.model)
+    model.load_state_dict(deepspeed_model_state(latest_valid_checkpoint(run_dir)))  # strict: every key
+    assert model.blocks[0].ffn.w_in.shape[0] == cfg.model.moe.n_experts == 4
+    model.eval()
+    with torch.no_grad():
+        logits = model(probe_idx()).logits.numpy()
+    for rank in (0, 1):
+        np.testing.assert_allclose(logits, results[rank]["zero2"]["logits"], rtol=0, atol=TOL)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One process, through the CLI
+# ----------------------------------------------------------------------------------------------------------
+def nagmoe_cli(args, env=None):
+    full = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID",
+                                                             "SLURM_NTASKS")}
+    full.update(env or {}, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "nagmoe", *args], cwd=REPO, capture_output=True, text=True,
+                          env=full, timeout=300)
+
+
+@requires_deepspeed
+def test_cli_trains_and_resumes_on_deepspeed_in_one_process(micro_overrides, ds_env, tmp_path):
+    from nagmoe.train.metrics import read_metrics
+
+    run_dir = str(tmp_path / "run")
+    args = ["train", "--config", "configs/tiny.yaml", "--run-dir", run_dir, "--quiet", *micro_overrides,
+            "train.eval_tokens=256", "parallel.engine=deepspeed", "train.optimizer=adamw"]
+    r = nagmoe_cli([*args, "train.max_steps=2"], ds_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = nagmoe_cli([*args, "train.max_steps=3"], ds_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(os.path.join(run_dir, "metrics.jsonl"))] == [1, 2, 3]
+    with open(os.path.join(run_dir, "run_info.json")) as f:
+        assert json.load(f)["resumed_from"].endswith("step_000002")
+    assert os.path.isfile(os.path.join(run_dir, "checkpoints", "step_000003", "manifest.json"))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("parallel.zero_stage=3", "parallel.zero_stage: 3 is not supported by parallel.engine=deepspeed"),
+    ("parallel.zero_stage=0", "parallel.zero_stage: 0 is not supported by parallel.engine=deepspeed"),
+    ("model.mod.skip_rate=0.2", "model.mod.skip_rate: 0.2 (Mixture-of-Depths) is not supported by "
+                                "parallel.engine=deepspeed"),
+])
+def test_unsupported_deepspeed_combinations_exit_2(override, message, tmp_path):
+    r = nagmoe_cli(["train", "--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"), "--quiet",
+                    "parallel.engine=deepspeed", "train.optimizer=adamw", override])
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_muon_request_is_refused_on_deepspeed():
+    """The DeepSpeed engine runs AdamW: a Muon request (the default train.optimizer) is refused, never silently
+    replaced."""
+    from nagmoe.config import ConfigError
+    from nagmoe.parallel.mesh import validate_parallel
+
+    cfg = load(["parallel.engine=deepspeed"])
+    assert cfg.train.optimizer == "muon"
+    with pytest.raises(ConfigError, match=r"train.optimizer: 'muon' is not supported by parallel.engine=deepspeed"):
+        validate_parallel(cfg, 1)
+    cfg.parallel.engine = "torch"
+    validate_parallel(cfg, 1)  # the torch engine runs Muon

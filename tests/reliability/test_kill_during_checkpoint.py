@@ -1,0 +1,199 @@
+"""kill -9 inside a checkpoint write, and corrupt or partial checkpoints on disk.
+
+A killed save never damages what was there before: until the rename that publishes it, a save lives in a
+tmp dir that resume ignores (with a warning naming it), and older checkpoints are pruned only after the new
+one is published. A published checkpoint that fails its manifest (sha256 and size of every file, checked
+before anything is loaded) is skipped with a warning naming it. Either way the resumed run reproduces the
+uninterrupted reference bit for bit; and a run dir whose checkpoints are all invalid is not silently
+restarted from scratch.
+"""
+import json
+import logging
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from crash_driver import POINTS
+from nagmoe.errors import UserError
+from nagmoe.train.checkpoint import MANIFEST, STATE, latest_valid_checkpoint, save_checkpoint
+from reliability_harness import (
+    CRASH_DRIVER,
+    SHORT,
+    SHORT_STEPS,
+    checkpoint_steps,
+    comparable,
+    logged_steps,
+    read_log,
+    records,
+    run_trainer,
+    start,
+    stop_all,
+    train_args,
+    wait_for,
+)
+
+KILLED_SAVE = 20  # the save the process is frozen in; the one before it is step 10
+# where a resume must start after a kill at each point of the step-20 save
+RESUMES_FROM = {"tensors_written": 10, "before_publish": 10, "before_prune": 20, "mid_prune": 20}
+
+
+def flip_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def tensor_file(checkpoint_dir: str) -> str:
+    return next(os.path.join(checkpoint_dir, f) for f in sorted(os.listdir(checkpoint_dir)) if f.endswith(".distcp"))
+
+
+@pytest.fixture(scope="module")
+def crash_config(config_file):
+    # keep_checkpoints=1: the harshest setting, where only one older checkpoint exists while a save runs
+    return config_file("crash", *SHORT, "train.keep_checkpoints=1")
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_kill_9_inside_a_checkpoint_write_resumes_from_an_intact_checkpoint(point, crash_config, reference,
+                                                                           tmp_path):
+    run_dir, ready = str(tmp_path / "run"), str(tmp_path / "frozen")
+    argv = [sys.executable, CRASH_DRIVER, point, str(KILLED_SAVE), ready, "--", *train_args(crash_config, run_dir)]
+    proc = start(argv, tmp_path / "crashed.log")
+    try:
+        wait_for(lambda: os.path.exists(ready), 120, f"the save of step {KILLED_SAVE} to reach {point}", [proc])
+        proc.kill()  # SIGKILL, frozen inside the save
+        proc.wait(timeout=30)
+    finally:
+        stop_all([proc])
+    assert proc.returncode == -9, read_log(tmp_path / "crashed.log")
+    on_disk = checkpoint_steps(run_dir)
+    expected_start = RESUMES_FROM[point]
+    assert latest_valid_checkpoint(run_dir).endswith(f"step_{expected_start:06d}"), on_disk
+    if expected_start == 10:  # the earlier checkpoint survived the killed save untouched
+        assert "step_000010" in on_disk and any(name.startswith("step_000020.tmp-") for name in on_disk)
+
+    resumed = run_trainer(crash_config, run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    if expected_start == 10:
+        unfinished = next(name for name in on_disk if ".tmp-" in name)
+        assert f"skipping unfinished checkpoint {os.path.join(run_dir, 'checkpoints', unfinished)}" in resumed.stderr
+    assert logged_steps(run_dir) == list(range(1, SHORT_STEPS + 1))  # each step once
+    assert comparable(records(run_dir), drop=("tokens_per_s", "val_bpb")) == \
+        comparable(reference.records, upto=SHORT_STEPS, drop=("tokens_per_s", "val_bpb"))
+    assert checkpoint_steps(run_dir) == [f"step_{SHORT_STEPS:06d}"]  # keep=1, leftovers of the kill removed
+
+
+def test_corrupt_newest_checkpoint_is_skipped_with_a_warning_and_resume_is_exact(reference, tmp_path):
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(reference.run_dir, run_dir)  # finished: checkpoints at steps 110 and 120
+    bad = os.path.join(run_dir, "checkpoints", "step_000120")
+    bad_file = tensor_file(bad)
+    flip_byte(bad_file)  # same size, wrong sha256: only the manifest can tell
+    resumed = run_trainer(reference.config, run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"skipping invalid checkpoint {bad}" in resumed.stderr and os.path.basename(bad_file) in resumed.stderr
+    with open(os.path.join(run_dir, "run_info.json")) as f:
+        assert json.load(f)["resumed_from"] == os.path.join(run_dir, "checkpoints", "step_000110")
+    assert logged_steps(run_dir) == logged_steps(reference.run_dir)  # steps 111-120 again, once each
+    assert comparable(records(run_dir)) == comparable(reference.records)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Each kind of damage is named in the warning (checkpoints of a plain module, no training)
+# ----------------------------------------------------------------------------------------------------------
+def flip_a_tensor_byte(checkpoint):
+    flip_byte(tensor_file(checkpoint))
+    return tensor_file(checkpoint)
+
+
+def truncate_a_tensor_file(checkpoint):
+    path = tensor_file(checkpoint)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    return path
+
+
+def delete_state(checkpoint):
+    os.remove(os.path.join(checkpoint, STATE))
+    return os.path.join(checkpoint, STATE)
+
+
+def delete_manifest(checkpoint):
+    os.remove(os.path.join(checkpoint, MANIFEST))
+    return MANIFEST
+
+
+def tear_manifest(checkpoint):
+    path = os.path.join(checkpoint, MANIFEST)
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(text[: len(text) // 2])
+    return path
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "nagmoe.train.checkpoint" and r.levelno >= logging.WARNING]
+
+
+# damage(checkpoint dir) -> the file the warning must name; and a word the warning must contain
+DAMAGE = {
+    "flipped byte": (flip_a_tensor_byte, "sha256"),
+    "truncated file": (truncate_a_tensor_file, "bytes"),
+    "missing file": (delete_state, "missing"),
+    "no manifest": (delete_manifest, "incomplete"),
+    "torn manifest": (tear_manifest, "unreadable"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_each_damaged_checkpoint_is_named_in_a_warning(damage, tmp_path, caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optim = torch.optim.AdamW(model.parameters())
+    for step in (1, 2):
+        model(torch.randn(4, 8)).sum().backward()
+        optim.step()
+        save_checkpoint(str(tmp_path), step, model, optim, {"tokens": step})
+    newest = os.path.join(tmp_path, "checkpoints", "step_000002")
+    do_damage, text = DAMAGE[damage]
+    named = do_damage(newest)
+    with caplog.at_level(logging.WARNING, logger="nagmoe.train.checkpoint"):
+        chosen = latest_valid_checkpoint(str(tmp_path))
+    assert chosen.endswith("step_000001")
+    (message,) = warnings_of(caplog)
+    assert message.startswith(f"skipping invalid checkpoint {newest}: ") and named in message and text in message
+
+
+def test_unfinished_save_is_named_in_a_warning(tmp_path, caplog):
+    model = torch.nn.Linear(4, 4)
+    done = save_checkpoint(str(tmp_path), 1, model)
+    shutil.copytree(done, os.path.join(tmp_path, "checkpoints", "step_000002.tmp-4242"))
+    shutil.copytree(done, os.path.join(tmp_path, "checkpoints", "step_000000.tmp-4243"))  # older: no warning
+    with caplog.at_level(logging.WARNING, logger="nagmoe.train.checkpoint"):
+        assert latest_valid_checkpoint(str(tmp_path)) == done
+    assert warnings_of(caplog) == [
+        f"skipping unfinished checkpoint {os.path.join(tmp_path, 'checkpoints', 'step_000002.tmp-4242')}: "
+        "its save was interrupted"]
+
+
+def test_a_run_whose_checkpoints_are_all_invalid_is_not_restarted_silently(micro_config, tmp_path):
+    from nagmoe.train.trainer import Trainer
+
+    run_dir = str(tmp_path / "run")
+    Trainer(micro_config("train.max_steps=2"), run_dir, quiet=True).run()
+    flip_byte(tensor_file(os.path.join(run_dir, "checkpoints", "step_000002")))
+    metrics_before = records(run_dir)
+    with pytest.raises(UserError, match=r"checkpoints.*none is valid.*--force"):
+        Trainer(micro_config("train.max_steps=3"), run_dir, quiet=True)
+    assert records(run_dir) == metrics_before  # nothing touched
+    trainer = Trainer(micro_config("train.max_steps=3"), run_dir, quiet=True, force=True)  # start over
+    assert trainer.progress.step == 0
+    trainer.run()
+    assert logged_steps(run_dir) == [1, 2, 3]
