@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
@@ -112,7 +113,7 @@ def safe_dcp_load(state_dict: dict, checkpoint_id: str, no_dist: bool = False) -
     reader, planner = SafeFileSystemReader(checkpoint_id), SafeLoadPlanner()
     try:
         dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=no_dist)
-    except Exception:
+    except CheckpointException:  # a BaseException subclass in torch 2.13
         refused = reader.refused or planner.refused
         if refused is not None:  # ours, wrapped by DCP: the one line, not DCP's traceback text
             raise refused from None

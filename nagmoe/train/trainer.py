@@ -17,7 +17,6 @@ rank 0; checkpoints are collective. One process runs exactly the single-device c
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
