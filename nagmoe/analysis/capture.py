@@ -8,7 +8,7 @@
   gathered executed tokens, so a hook on the FFN would miss the skipped ones).
 - `decode_state(model)`: records the state the residual stream decodes (NAG: `NAGState(log_norm_BT,
   direction_BTD)`; pre-norm: the stream x_BTD).
-The gate modulator and the stream's `decode` are methods, not module forwards, so no module hook sees them:
+The NAG ops and the stream's `decode` are methods, not module forwards, so no module hook sees them:
 they are shadowed by a recording wrapper (an instance attribute in front of the method) for the duration of the
 block and removed on exit, also when the forward raises.
 """
@@ -40,25 +40,43 @@ def attention_inputs_tap(model, fn: Callable):
 def _shadow(obj, name: str, make_wrapper: Callable):
     """Put `make_wrapper(original_bound_method)` in front of obj.<name> for the block."""
     original = getattr(obj, name)
+    own = name in vars(obj)  # an instance attribute (restore it) or a class method (remove our shadow)
     object.__setattr__(obj, name, make_wrapper(original))
     try:
         yield
     finally:
-        object.__delattr__(obj, name)
+        if own:
+            object.__setattr__(obj, name, original)
+        else:
+            object.__delattr__(obj, name)
 
 
 @contextlib.contextmanager
 def gate_modulator_tap(model, fn: Callable[[int, torch.Tensor], None]):
-    gates = getattr(model.stream, "gates", None)
-    with contextlib.ExitStack() as stack:
-        for index, gate in enumerate(gates or ()):
-            def make(original, index=index):
-                def recording_modulator(direction_BTD):
-                    m = original(direction_BTD)
-                    fn(index, m)
-                    return m
-                return recording_modulator
-            stack.enter_context(_shadow(gate, "modulator", make))
+    """The stream computes m through its NAG ops (`stream.ops`: `modulator`, or the fused `gated_update` that
+    returns m third); both are shadowed, and the gate is recognised by its weight tensor."""
+    stream = model.stream
+    gates, ops = getattr(stream, "gates", None), getattr(stream, "ops", None)
+    if not gates or ops is None:
+        yield
+        return
+    index_of = {id(gate.weight): index for index, gate in enumerate(gates)}
+
+    def make_modulator(original):
+        def recording_modulator(direction_BTD, weight, *args, **kwargs):
+            m = original(direction_BTD, weight, *args, **kwargs)
+            fn(index_of[id(weight)], m)
+            return m
+        return recording_modulator
+
+    def make_gated_update(original):
+        def recording_gated_update(log_norm, direction, branch, weight, *args, **kwargs):
+            out = original(log_norm, direction, branch, weight, *args, **kwargs)
+            fn(index_of[id(weight)], out[2])
+            return out
+        return recording_gated_update
+
+    with _shadow(ops, "modulator", make_modulator), _shadow(ops, "gated_update", make_gated_update):
         yield
 
 

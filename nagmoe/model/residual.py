@@ -27,7 +27,7 @@ from torch import nn
 from nagmoe.model.roles import GATE, SCALAR
 from nagmoe.model.common import rms_norm
 from nagmoe.model.mod import MoDCalibrator, eligible_sublayers
-from nagmoe.model.nag import modulator, nag_update, rms_normalise, rotation_score
+from nagmoe.model.nag import modulator, rms_normalise, rotation_score
 from nagmoe.model.stats import StatsCollector, mean_angle, mean_log_rms, mean_rms
 from nagmoe.ops.nag_fused import NAGOps, resolve_nag_backend
 
@@ -157,6 +157,7 @@ class NAGResidual(ResidualStream):
     encode: e = centre(wte[idx]) (centred in the forward, not normalised);
             s0 = log RMS(e) + g_encode;  R_bar0 = e / RMS(e)
     apply:  m = modulator(R_bar); g = alpha·m·warmup; f = F(R_bar); (s, R_bar) <- nag_update(s, R_bar, f, g)
+            (modulator and update through `self.ops`: eager or fused, `model.nag.impl`, nagmoe/ops/nag_fused.py)
     decode: W = rms_normalise(centre(W_U)) in the forward;  logits = exp(s_L)·cos(R_bar_L, W[v]), fp32, no cap.
     MoD (model.mod.skip_rate > 0): r = rotation_score(alpha, m); F runs on the tokens with r > threshold
     (`self.mod`, a MoDCalibrator); f = F(R_bar) + X_l for those, f = X_l for the others (X_l = gate.base, on
