@@ -34,9 +34,31 @@ from nagmoe.errors import UserError
 from nagmoe.model.common import init_linear_uniform, rms_norm
 from nagmoe.ops.registry import Registry
 
+def _flash_available() -> bool:
+    """flash-attn (optional `gpu` extra): CUDA only, and only when the package imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 ATTENTION_IMPL = Registry("attention", reference="math")
 ATTENTION_IMPL.register("sdpa")  # first: what `auto` resolves to
 ATTENTION_IMPL.register("math")
+ATTENTION_IMPL.register("flash", available=_flash_available)  # only when asked for (after sdpa for `auto`)
+
+
+def _flash_causal(q_BHTS, k_BKLS, v_BKLS):
+    """flash-attn's kernel: (B, T, H, S) layout, GQA natively, causal mask aligned bottom-right (so a KV-cache
+    offset is the same mask as ours); bf16/fp16 only — fp32 inputs take SDPA."""
+    from flash_attn import flash_attn_func
+
+    out_BTHS = flash_attn_func(q_BHTS.transpose(1, 2), k_BKLS.transpose(1, 2), v_BKLS.transpose(1, 2),
+                               causal=True)
+    return out_BTHS.transpose(1, 2)
 
 
 def resolve_attention_impl(requested: str) -> str:
@@ -92,7 +114,9 @@ def causal_attention(q_BHTS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: torch.T
     T, L = q_BHTS.shape[2], k_BKLS.shape[2]
     if L != q_offset + T:
         raise ValueError(f"causal_attention: {L} keys for {T} queries at offset {q_offset}")
-    if impl == "sdpa":
+    if impl == "flash" and q_BHTS.dtype in (torch.float16, torch.bfloat16):
+        return _flash_causal(q_BHTS, k_BKLS, v_BKLS)
+    if impl in ("sdpa", "flash"):
         if q_offset == 0:  # square: SDPA's own causal mask
             return F.scaled_dot_product_attention(q_BHTS, k_BKLS, v_BKLS, is_causal=True, enable_gqa=n_rep > 1)
         mask_TL = None if T == 1 else _visible_TL(T, q_offset, q_BHTS.device)  # one new token sees everything
@@ -122,7 +146,7 @@ def attention_at_positions(q_BHMS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: t
     causal and unmasked SDPA cost the same, 4 blocks of 64 queries 12% more than one call, 16 blocks 90%)."""
     n_rep = q_BHMS.shape[1] // k_BKLS.shape[1]
     M, L = q_BHMS.shape[2], k_BKLS.shape[2]
-    if impl == "sdpa" and M > 0:  # (no queries: the math path below keeps the empty graph connected)
+    if impl in ("sdpa", "flash") and M > 0:  # flash: no position-masked kernel, SDPA runs it (no queries: the math path below keeps the empty graph connected)
         size = max(min_block, -(-M // max_blocks))
         # last key any query of the block may see: running max over m of the batch's positions
         ends = (positions_BM.amax(0).cummax(0).values + 1).clamp(max=L).tolist()

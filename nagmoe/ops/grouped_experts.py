@@ -48,12 +48,7 @@ def resolve_expert_backend(requested: str = "auto") -> str:
     picks here (not blindly to the slow reference), e.g. megablocks -> grouped on a CPU machine."""
     if requested != "auto" and requested not in _AVAILABLE:
         raise UserError(f"model.moe.impl: {requested!r} is not one of auto, {', '.join(_AVAILABLE)}")
-    if requested != "auto" and not _AVAILABLE[requested]():
-        fallback = EXPERT_BACKENDS.resolve("auto")
-        warnings.warn(f"moe_experts: backend {requested!r} is not available here; using {fallback!r}",
-                      stacklevel=2)
-        return fallback
-    return EXPERT_BACKENDS.resolve(requested)
+    return EXPERT_BACKENDS.resolve(requested)  # the registry warns and falls back like `auto`
 
 
 # ----------------------------------------------------------------------------------------------------------

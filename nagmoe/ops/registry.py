@@ -39,9 +39,10 @@ class Registry:
             b = self._backends[requested]
             if b.available():
                 return requested
-            warnings.warn(f"{self.op}: backend {requested!r} is not available here; using {self.reference!r}",
+            fallback = self.resolve("auto")  # what `auto` would pick, not necessarily the slow reference
+            warnings.warn(f"{self.op}: backend {requested!r} is not available here; using {fallback!r}",
                           stacklevel=2)
-            return self.reference
+            return fallback
         for b in self._backends.values():
             if b.available():
                 if b.slow:

@@ -78,3 +78,18 @@ def test_model_step_fused_vs_eager_under_bf16_autocast():
         (out.loss + out.aux_loss).backward()
         losses[impl] = out.loss.item()
     assert abs(losses["compiled"] - losses["eager"]) < 2e-2 * abs(losses["eager"])
+
+
+def test_flash_attention_matches_math_reference():
+    """flash-attn adapter (optional `gpu` extra) against the explicit-matmul reference, GQA and a KV offset."""
+    pytest.importorskip("flash_attn", reason="flash-attn is an optional extra, not installed here")
+    from nagmoe.model.attention import causal_attention
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, K, T, S, offset = 2, 8, 2, 128, 64, 32
+    q = torch.randn(B, H, T, S, generator=gen).cuda().bfloat16()
+    k = torch.randn(B, K, offset + T, S, generator=gen).cuda().bfloat16()
+    v = torch.randn(B, K, offset + T, S, generator=gen).cuda().bfloat16()
+    want = causal_attention(q.float(), k.float(), v.float(), "math", q_offset=offset)
+    got = causal_attention(q, k, v, "flash", q_offset=offset)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

@@ -103,7 +103,10 @@ def test_output_projection_zero_init_and_call_shape():
 def test_impl_and_kind_errors_are_user_errors():
     assert resolve_attention_impl("auto") == "sdpa"
     with pytest.raises(UserError, match="model.attention.impl"):
-        resolve_attention_impl("flash")
+        resolve_attention_impl("nope")
+    if not torch.cuda.is_available():  # flash-attn is CUDA-only: asked for here, SDPA runs, with a warning
+        with pytest.warns(UserWarning, match="'flash' is not available here; using 'sdpa'"):
+            assert resolve_attention_impl("flash") == "sdpa"
     if importlib.util.find_spec("nagmoe.model.cca") is None:
         with pytest.raises(UserError, match="model.attention.kind"):
             build_attention(D, AttentionConfig(kind="cca"))
