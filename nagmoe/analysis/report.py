@@ -64,7 +64,7 @@ def big(x) -> str:
     return "n/a" if x is None else f"{x:.3g}" if x >= 1e6 else f"{x:,.0f}"
 
 
-_NUMBER = re.compile(r"^[+-]?[\d.,]+(e[+-]?\d+)?%?( ± [\d.,]+(e[+-]?\d+)?%? \(n=\d+\))?$|^n/a$|^-$")
+_NUMBER = re.compile(r"^[+-]?[\d.,]+(e[+-]?\d+)?%?( ± [\d.,]+(e[+-]?\d+)?%? \(n=\d+\))?$|^\d+/\d+$|^n/a$|^-$")
 
 
 def table(headers: list, rows: list, row_class: Optional[list] = None) -> str:
@@ -333,8 +333,8 @@ def references(pairs, nums, groups) -> str:
                                            f"(final log-norm, top-1) {num(conf['spearman_top1'], '+.3f')}")
             sa_, sb_ = _m(a["tokens_per_s"]), _m(b["tokens_per_s"])
             if sa_ and sb_:
-                found["nag_cost"] = (f"{1 - sb_ / sa_:.0%} slower (median tokens/s {sb_:,.0f} vs {sa_:,.0f}; "
-                                     "timing on this machine, possibly shared)")
+                found["nag_cost"] = (f"NAG at {sb_ / sa_:.2f}x the baseline's tokens/s (medians per step {sb_:,.0f} vs "
+                                     f"{sa_:,.0f}; timed on this machine, which may have been shared)")
         elif p.kind == "mod_vs_full":
             ta, tb = _m(a["tokens"]), _m(b["tokens"])
             if ta and tb:
