@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from nagmoe.config import to_dict
+from nagmoe.train.metrics import plain_json
 
 FINAL_LOSS_WINDOW = 10  # final training loss = mean over the last this many logged steps
 CACHE_DIR = "data"  # under the report's out dir: per-run analysis/eval JSON, reused while the checkpoint is the same
@@ -177,7 +178,7 @@ def measure_checkpoint(record: RunRecord, out_dir: str, analysis_tokens: int, ev
             try:
                 from nagmoe.analysis.run_analysis import analyze_run
 
-                record.analysis = _json_safe(analyze_run(record.run_dir, device, analysis_tokens))
+                record.analysis = plain_json(analyze_run(record.run_dir, device, analysis_tokens))
             except Exception as e:
                 problems.append(f"{record.run_dir}: depth analysis failed ({type(e).__name__}: {e})")
     if eval_items:
@@ -208,16 +209,6 @@ def run_eval(run_dir: str, device: str, items: int) -> dict:
     tasks = resolve_tasks([OFFLINE_TASK], run.config.data.val_fraction, offline_items=items)
     return evaluate_tasks(run.model, tasks, tokenizer_encoder(run.tokenizer), run.bos_id, device,
                           max_len=run.config.model.max_seq_len)
-
-
-def _json_safe(obj):
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
 
 
 # ----------------------------------------------------------------------------------------------------------

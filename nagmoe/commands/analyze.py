@@ -5,7 +5,6 @@ Prints a few headline numbers."""
 from __future__ import annotations
 
 import json
-import math
 import os
 
 from nagmoe.errors import UserError
@@ -20,17 +19,6 @@ def add_arguments(p):
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
 
 
-def _json_safe(obj):
-    """Strict JSON: NaN/inf become null."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
 def _fmt(x, spec=".3f"):
     return "n/a" if x is None else format(x, spec)
 
@@ -38,13 +26,14 @@ def _fmt(x, spec=".3f"):
 def run(args) -> int:
     from nagmoe.analysis.run_analysis import analyze_run
     from nagmoe.commands.eval import resolve_device
+    from nagmoe.train.metrics import plain_json
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise UserError(f"--out: directory {out_dir} does not exist")
     result = analyze_run(args.run_dir, resolve_device(args.device), args.tokens, args.batch_rows, args.bins)
     with open(args.out, "w") as f:
-        json.dump(_json_safe(result), f, indent=2)
+        json.dump(plain_json(result), f, indent=2)
     depth, sink = result["depth"], result["attention_sink"]
     print(f"{result['residual']} run, {result['tokens']} tokens: val loss {_fmt(result['val_loss'], '.4f')}, "
           f"bpb {_fmt(result['val_bpb'], '.4f')}")

@@ -17,7 +17,7 @@ import torch
 METRICS_FILE = "metrics.jsonl"
 
 
-def _plain(value: Any) -> Any:
+def plain_json(value: Any) -> Any:
     """Convert to strict-JSON values: tensors/numpy -> Python, NaN/inf -> None."""
     if isinstance(value, torch.Tensor):
         value = value.item() if value.numel() == 1 else value.tolist()
@@ -28,9 +28,9 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain_json(v) for v in value]
     return value
 
 
@@ -43,7 +43,7 @@ class MetricsWriter:
         self._file = open(self.path, "a")
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(_plain(record), allow_nan=False) + "\n")
+        self._file.write(json.dumps(plain_json(record), allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:
