@@ -19,7 +19,7 @@ from nagmoe.flops import flops_per_token
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
 sys.path.insert(0, os.path.join(REPO, "tests", "slurm"))
-from slurm_cluster import LocalSlurm, missing_binaries  # noqa: E402
+from slurm_cluster import running_cluster  # noqa: E402
 
 
 def nagmoe(*args, check=True, timeout=300):
@@ -167,17 +167,8 @@ def test_local_runs_train_once_and_resume_skips_finished_ones(micro, tmp_path):
 def slurm_cluster(tmp_path_factory):
     """A real single-node Slurm (tests/slurm/slurm_cluster.py) for this module; skipped only when the binaries
     are missing and CI is unset."""
-    missing = missing_binaries()
-    if missing:
-        message = f"Slurm/munge binaries not found: {', '.join(missing)}"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message} (CI is set: .ci/run must install slurmctld slurmd slurm-client munge)")
-        pytest.skip(f"{message}; apt-get install slurmctld slurmd slurm-client munge")
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
+    with running_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
 
 
 @pytest.mark.slurm

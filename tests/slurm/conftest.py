@@ -4,26 +4,16 @@
 The cluster tests skip only when the Slurm binaries are missing *and* the CI variable is unset: in CI a
 missing Slurm is a failure.
 """
-import os
 
 import pytest
 
-from slurm_cluster import SLURM_MICRO, LocalSlurm, missing_binaries
+from slurm_cluster import SLURM_MICRO, running_cluster
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
-    missing = missing_binaries()
-    if missing:
-        message = f"Slurm/munge binaries not found: {', '.join(missing)}"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message} (CI is set: .ci/run must install slurmctld slurmd slurm-client munge)")
-        pytest.skip(f"{message}; apt-get install slurmctld slurmd slurm-client munge")
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
+    with running_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ under a temporary folder, with free ports picked at run time, `CPUs=4` (four ran
 `cred_expire=5` (a requeued job may start again after 6 s instead of 121 s), and stops each daemon by its
 pid file. Also the helpers the tests share: polling with a timeout, free ports, micro-config overrides.
 """
+import contextlib
 import os
 import re
 import shutil
@@ -185,3 +186,20 @@ def _alive(pid):
 
 # mha keeps the micro model independent of the CCA head constraints; log every step (metrics are polled)
 SLURM_MICRO = ("model.attention.kind=mha", "log.every=1")
+
+
+@contextlib.contextmanager
+def running_cluster(root):
+    """A started LocalSlurm under `root`, stopped on exit; skips when the binaries are missing, fails when
+    they are missing under CI (where .ci/run installs them)."""
+    missing = missing_binaries()
+    if missing:
+        message = f"Slurm/munge binaries not found: {', '.join(missing)}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message} (CI is set: .ci/run must install slurmctld slurmd slurm-client munge)")
+        pytest.skip(f"{message}; apt-get install slurmctld slurmd slurm-client munge")
+    cluster = LocalSlurm(root)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
