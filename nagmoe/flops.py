@@ -30,34 +30,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from nagmoe.config import ModelConfig
 from nagmoe.errors import UserError
-
-
-def attention_heads(m: ModelConfig) -> tuple[int, int, int]:
-    """(query heads, key/value heads, head dim) of the attention `build_model(m)` builds.
-
-    mha: n_heads, n_kv_heads (None = n_heads), head_dim (None = d_model // n_heads).
-    cca: `n_heads` is the head count of the uncompressed reference attention (head dim d_model // n_heads
-    unless set); compression removes heads and keeps the head dim (Zyphra's geometry): n_heads /
-    q_compression query heads, n_heads / kv_compression key/value heads; CCA when the two are equal, CCGQA
-    (each kv head shared by a group of query heads) when kv_compression is a multiple of q_compression.
-    `model.attention.n_kv_heads` is not used by cca.
-    """
-    a = m.attention
-    head_dim = a.head_dim or m.d_model // a.n_heads
-    if a.kind != "cca":
-        return a.n_heads, a.n_kv_heads or a.n_heads, head_dim
-    for key, c in (("q_compression", a.q_compression), ("kv_compression", a.kv_compression)):
-        if c < 1 or a.n_heads % c:
-            raise UserError(f"model.attention.{key}: {c} must divide model.attention.n_heads={a.n_heads} "
-                            "(CCA compresses by using fewer heads)")
-    n_q, n_kv = a.n_heads // a.q_compression, a.n_heads // a.kv_compression
-    if n_q % n_kv:
-        raise UserError(f"model.attention.kv_compression: {a.kv_compression} must be a multiple of "
-                        f"model.attention.q_compression={a.q_compression} (each kv head serves whole query "
-                        "heads)")
-    return n_q, n_kv, head_dim
+from nagmoe.schema import ModelConfig, attention_heads, expert_hidden
 
 
 def cca_conv_weights(m: ModelConfig) -> int:
@@ -69,10 +43,6 @@ def cca_conv_weights(m: ModelConfig) -> int:
     n_q, n_kv, hd = attention_heads(m)
     channels = (n_q + n_kv) * hd
     return channels * a.conv_kernel_1 + channels * hd * a.conv_kernel_2
-
-
-def expert_hidden(m: ModelConfig) -> int:
-    return m.moe.expert_hidden or (4 * m.d_model) // m.moe.top_k
 
 
 def _attention_params(m: ModelConfig) -> dict[str, int]:

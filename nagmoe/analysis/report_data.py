@@ -98,9 +98,9 @@ class RunRecord:
 # ----------------------------------------------------------------------------------------------------------
 def read_run(run_dir: str) -> tuple[Optional[RunRecord], list]:
     """(record or None, messages). None when the dir cannot be used at all."""
-    from nagmoe.train.checkpoint import latest_valid_checkpoint
+    from nagmoe.checkpoint import latest_valid_checkpoint
     from nagmoe.train.metrics import read_metrics
-    from nagmoe.train.run_dir import CONFIG_FILE, RUN_INFO_FILE, SUMMARY_FILE, read_saved_config
+    from nagmoe.checkpoint.run_dir import CONFIG_FILE, RUN_INFO_FILE, SUMMARY_FILE, read_saved_config
 
     if not os.path.isdir(run_dir):
         return None, [f"{run_dir}: not found (not trained yet?); left out"]

@@ -1,6 +1,6 @@
 """`nagmoe consolidate RUN_DIR [--checkpoint PATH] [--out FILE]`: one single-file checkpoint
 (RUN_DIR/consolidated.pt: full model state incl. all experts + config) from the run's sharded DCP
-checkpoint, loadable on one machine with `nagmoe.parallel.consolidate.load_consolidated(path)`."""
+checkpoint, loadable on one machine with `nagmoe.checkpoint.consolidate.load_consolidated(path)`."""
 
 
 def add_arguments(p):
@@ -10,7 +10,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from nagmoe.parallel.consolidate import consolidate_run
+    from nagmoe.checkpoint.consolidate import consolidate_run
 
     print(consolidate_run(args.run_dir, checkpoint=args.checkpoint, out=args.out))
     return 0

@@ -32,8 +32,8 @@ def load_run(run_dir: str, device: str = "cpu") -> LoadedRun:
     when the run dir, its config, a checkpoint or the tokenizer is missing."""
     from nagmoe.data.tokenizer import bos_id, check_vocab, load_tokenizer
     from nagmoe.model import build_model
-    from nagmoe.train.checkpoint import latest_valid_checkpoint, load_checkpoint
-    from nagmoe.train.run_dir import CONFIG_FILE, read_saved_config
+    from nagmoe.checkpoint import latest_valid_checkpoint, load_model_weights
+    from nagmoe.checkpoint.run_dir import CONFIG_FILE, read_saved_config
 
     if not os.path.isdir(run_dir):
         raise UserError(f"--run-dir: {run_dir} is not a directory")
@@ -49,7 +49,7 @@ def load_run(run_dir: str, device: str = "cpu") -> LoadedRun:
     _check_tokenizer_matches_data(cfg.data.data_dir, tok_path)
     tokenizer.encode_special_tokens = True  # as the training documents were encoded
     model = build_model(cfg.model)
-    load_checkpoint(checkpoint, model, restore_rng=False)
+    load_model_weights(checkpoint, model)  # either engine's layout
     return LoadedRun(model.to(device).eval(), tokenizer, bos_id(tokenizer, tok_path), cfg, checkpoint)
 
 

@@ -186,7 +186,7 @@ def check_resume_config(run_dir: str, config_yaml: str, force: bool) -> None:
     """Refuse at submission what the trainer would refuse at start: resuming a run dir that has checkpoints
     with a config that differs beyond the schedule-length keys."""
     from nagmoe.config import config_from_dict, yaml_load
-    from nagmoe.train.run_dir import config_differences, read_saved_config
+    from nagmoe.checkpoint.run_dir import config_differences, read_saved_config
 
     ckpts = os.path.join(run_dir, "checkpoints")
     if force or not (os.path.isdir(ckpts) and os.listdir(ckpts)):

@@ -8,9 +8,9 @@ One NAG sublayer, around its branch F (nagmoe/model/residual.py):
     (s', R_bar') = nag_update(s_BT, R_bar_BTD, f_BTD, scale_BT)
 Eager, this is ~20 small element-wise kernels over (B, T, D), each saving its output for the backward: the
 ~40% time and ~24% memory overhead of the unfused reimplementation. The fused backends compute exactly the
-same functions (nagmoe/model/nag.py stays the oracle), as one region per call:
+same functions (nagmoe/nag_math.py stays the oracle), as one region per call:
 
-  eager     the functions of nagmoe/model/nag.py as they are: the reference and the test oracle.
+  eager     the functions of nagmoe/nag_math.py as they are: the reference and the test oracle.
   compiled  the same functions under `torch.compile` (inductor): CPU (C++/OpenMP) and CUDA (Triton). The
             forward and backward each become a few fused loops, and the min-cut partitioner saves only
             the inputs and per-token reductions for the backward instead of every (B, T, D) intermediate.
@@ -30,6 +30,7 @@ import shutil
 import torch
 
 from nagmoe.errors import UserError
+from nagmoe.nag_math import modulator as eager_modulator, nag_update as eager_nag_update
 from nagmoe.ops.registry import Registry
 
 
@@ -60,8 +61,6 @@ def resolve_nag_backend(requested: str = "auto") -> str:
 def _gated_update(log_norm_BT, direction_BTD, branch_BTD, weight_CD, bias_C, coef_C, beta_raw, alpha, warmup,
                   floor: float, eps: float):
     """Modulator + scale + update in one function: returns (log_norm', direction', m_BT, scale_BT)."""
-    from nagmoe.model.nag import modulator as eager_modulator, nag_update as eager_nag_update
-
     m_BT = eager_modulator(direction_BTD, weight_CD, bias_C, coef_C, beta_raw, floor)
     scale_BT = alpha.float() * m_BT * warmup
     new_log_norm_BT, new_direction_BTD = eager_nag_update(log_norm_BT, direction_BTD, branch_BTD, scale_BT, eps)
@@ -69,15 +68,12 @@ def _gated_update(log_norm_BT, direction_BTD, branch_BTD, weight_CD, bias_C, coe
 
 
 class NAGOps:
-    """The three NAG functions of one backend: `modulator`, `update` (= nag.nag_update) and `gated_update`."""
+    """The three NAG functions of one backend: `modulator`, `update` (= nag_math.nag_update) and `gated_update`."""
 
     def __init__(self, backend: str):
         if backend not in ("eager", "compiled"):
             raise UserError(f"model.nag.impl: unknown backend {backend!r}")
         self.backend = backend  # compiled code is cached by torch on the functions' code: shared by instances
-        # imported here: nagmoe.model imports this module (residual.py) and this one uses nagmoe.model.nag
-        from nagmoe.model.nag import modulator as eager_modulator, nag_update as eager_nag_update
-
         if backend == "eager":
             self.modulator, self.update, self.gated_update = eager_modulator, eager_nag_update, _gated_update
         else:

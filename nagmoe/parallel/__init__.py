@@ -4,5 +4,4 @@
   mesh.py             the (dp x ep) DeviceMesh, its groups, `parallel.*` validation, small collectives
   expert_parallel.py  expert sharding and the all-to-all token dispatcher (MoELayer.dispatcher)
   grad_sync.py        DDP for replicated parameters, expert-gradient reduction, the global gradient norm
-  consolidate.py      a sharded (DCP) checkpoint -> one single-file, single-process checkpoint
 """

@@ -31,7 +31,7 @@ DEEPSPEED_ZERO_STAGES = (1, 2)
 def validate_engine(cfg: Config) -> None:
     """`parallel.engine` and what it supports (README, engines table): raises ConfigError (exit 2).
     torch: DDP + EP, Muon, MoD (parallel.zero_stage is not used). deepspeed: ZeRO 1/2 + our EP, AdamW only,
-    no MoD yet (nagmoe.parallel.deepspeed_engine)."""
+    no MoD yet (nagmoe.train.deepspeed_engine)."""
     p, m = cfg.parallel, cfg.model
     if p.zero_stage not in ZERO_STAGES:
         raise ConfigError(f"parallel.zero_stage: {p.zero_stage} is not one of {', '.join(map(str, ZERO_STAGES))}")

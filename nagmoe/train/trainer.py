@@ -33,18 +33,18 @@ from nagmoe.data.bpb import bits_per_byte, bpb_sums, token_bytes
 from nagmoe.errors import UserError
 from nagmoe.flops import flops_per_token
 from nagmoe.model import build_model
-from nagmoe.parallel.deepspeed_engine import DeepSpeedEngine
+from nagmoe.train.deepspeed_engine import DeepSpeedEngine
 from nagmoe.parallel.expert_parallel import expert_shard_plan, shard_experts
 from nagmoe.parallel.grad_sync import clip_grad_norm_, named_params, sync_expert_grads, wrap_ddp
 from nagmoe.parallel.mesh import ParallelMesh
-from nagmoe.train.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from nagmoe.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from nagmoe.train.metrics import MetricsWriter, truncate_metrics
 from nagmoe.train.optim import build_optimizers
 from nagmoe.train.guards import (
     EXIT_GATE_COLLAPSE, EXIT_NONFINITE, TrainingHalted, collapsed_fraction, gate_collapse_message, is_nonfinite,
     locate_nonfinite, nonfinite_message, realised_gains, warn)
 from nagmoe.train.preemption import PreemptionWatch
-from nagmoe.train.run_dir import prepare_run_dir, write_run_info, write_summary
+from nagmoe.checkpoint.run_dir import prepare_run_dir, write_run_info, write_summary
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
 from nagmoe.train.speed import compile_model, enable_activation_checkpointing
 
@@ -128,7 +128,7 @@ class Trainer:
         if self.engine is not None:
             self.optim = self.engine.optim
         elif t.optimizer == "adamw":  # AdamW for every role: the DeepSpeed engine's optimizer, on torch
-            from nagmoe.parallel.deepspeed_engine import build_adamw_optimizers
+            from nagmoe.train.deepspeed_engine import build_adamw_optimizers
 
             self.optim = build_adamw_optimizers(self.model, t)
         else:

@@ -10,7 +10,8 @@ One 2-rank session (module fixture) runs every scenario; the tests check its res
   * 2 steps, a DeepSpeed checkpoint, a resume to 3 steps: the trajectory of the straight 3-step run, bitwise;
     the run dir keeps its contract (metrics once per step, summary.json, run_info.json, verified checkpoints);
   * the whole model read back from a DeepSpeed checkpoint in one process (no unpickling) gives the logits of
-    the trained 2-rank EP model.
+    the trained 2-rank EP model; eval, generate, analyze and consolidate give the same outputs on the ZeRO-1
+    run as on its state rewritten as a torch-engine checkpoint.
 One process through the CLI: a DeepSpeed run and its resume; unsupported combinations exit 2 with a message.
 """
 import json
@@ -75,7 +76,7 @@ def experts_through_initialize(overrides):
     import torch.distributed as dist
 
     from nagmoe.model import build_model
-    from nagmoe.parallel.deepspeed_engine import DeepSpeedEngine
+    from nagmoe.train.deepspeed_engine import DeepSpeedEngine
     from nagmoe.parallel.expert_parallel import shard_experts
     from nagmoe.parallel.mesh import ParallelMesh
 
@@ -245,7 +246,7 @@ def test_deepspeed_resume_continues_the_exact_trajectory(session):
         info = json.load(f)
     assert info["engine"] == "deepspeed" and info["deepspeed"]["zero_stage"] == 2
     assert info["resumed_from"].endswith("step_000002") and len(info["previous"]) == 1
-    from nagmoe.train.checkpoint import latest_valid_checkpoint, read_checkpoint_state
+    from nagmoe.checkpoint import latest_valid_checkpoint, read_checkpoint_state
 
     latest = latest_valid_checkpoint(run_dir)
     assert latest.endswith("step_000003")
@@ -259,9 +260,8 @@ def test_deepspeed_resume_continues_the_exact_trajectory(session):
 @requires_deepspeed
 def test_deepspeed_checkpoint_reads_back_as_one_model(session):
     from nagmoe.model import build_model
-    from nagmoe.parallel.deepspeed_engine import deepspeed_model_state
-    from nagmoe.train.checkpoint import latest_valid_checkpoint
-    from nagmoe.train.run_dir import read_saved_config
+    from nagmoe.checkpoint import deepspeed_model_state, latest_valid_checkpoint
+    from nagmoe.checkpoint.run_dir import read_saved_config
 
     tmp, results = session
     run_dir = os.path.join(tmp, "zero2")
@@ -274,6 +274,68 @@ def test_deepspeed_checkpoint_reads_back_as_one_model(session):
         logits = model(probe_idx()).logits.numpy()
     for rank in (0, 1):
         np.testing.assert_allclose(logits, results[rank]["zero2"]["logits"], rtol=0, atol=TOL)
+
+
+def run_command(argv, capsys) -> str:
+    """`nagmoe ARGV` in this process (the CLI entry); its stdout. Exit 0 required."""
+    from nagmoe.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+def same_run_as_torch_checkpoint(ds_run: str, torch_run: str) -> str:
+    """A torch-engine run dir holding the DeepSpeed run's full state (deepspeed_model_state) as a DCP
+    checkpoint of the same step and progress; its config differs only in parallel.engine."""
+    from nagmoe.checkpoint import deepspeed_model_state, latest_valid_checkpoint, read_checkpoint_state, save_checkpoint
+    from nagmoe.checkpoint.run_dir import read_saved_config
+    from nagmoe.config import dump_yaml
+    from nagmoe.model import build_model
+
+    cfg = read_saved_config(ds_run)
+    source = latest_valid_checkpoint(ds_run)
+    model = build_model(cfg.model)
+    model.load_state_dict(deepspeed_model_state(source))
+    state = read_checkpoint_state(source)
+    cfg.parallel.engine = "torch"
+    os.makedirs(torch_run)
+    with open(os.path.join(torch_run, "config.yaml"), "w") as f:
+        f.write(dump_yaml(cfg))
+    return save_checkpoint(torch_run, state["step"], model, extra_state=state["extra"])
+
+
+@requires_deepspeed
+def test_every_reader_command_reads_a_deepspeed_run_like_a_torch_run(session, tmp_path, capsys):
+    """eval, generate, analyze and consolidate on the 2-rank EP=2 ZeRO-1 run and on the same state written in
+    the torch layout: identical outputs (issue 20)."""
+    from nagmoe.checkpoint import read_checkpoint_state
+    from nagmoe.checkpoint.consolidate import load_consolidated
+
+    tmp, _ = session
+    ds_run, torch_run = os.path.join(tmp, "zero1"), str(tmp_path / "as_torch")
+    copy = same_run_as_torch_checkpoint(ds_run, torch_run)
+    assert read_checkpoint_state(copy)["format"] == 1
+    out = {}
+    for name, run_dir in (("deepspeed", ds_run), ("torch", torch_run)):
+        eval_json, analysis_json = str(tmp_path / f"{name}-eval.json"), str(tmp_path / f"{name}-analysis.json")
+        run_command(["eval", "--run-dir", run_dir, "--offline-items", "8", "--out", eval_json], capsys)
+        generated = run_command(["generate", "--run-dir", run_dir, "--prompt", "ROMEO:", "--max-new-tokens", "12",
+                                 "--seed", "3"], capsys)
+        run_command(["analyze", "--run-dir", run_dir, "--out", analysis_json, "--tokens", "512"], capsys)
+        consolidated = run_command(["consolidate", run_dir], capsys).strip()
+        with open(eval_json) as f:
+            evaluation = json.load(f)
+        with open(analysis_json) as f:
+            analysis = {k: v for k, v in json.load(f).items() if k not in ("run_dir", "checkpoint")}
+        _, weights = load_consolidated(consolidated)
+        out[name] = (evaluation, generated, analysis, weights)
+    (ds_eval, ds_text, ds_analysis, ds_weights), (t_eval, t_text, t_analysis, t_weights) = out["deepspeed"], out["torch"]
+    assert ds_eval == t_eval and ds_text == t_text and ds_analysis == t_analysis
+    assert ds_analysis["val_bpb"] > 0 and len(ds_text) > 0
+    assert ds_weights.keys() == t_weights.keys()
+    for k, v in t_weights.items():
+        assert torch.equal(ds_weights[k], v), k
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def test_invalid_parallel_values_exit_2(override, env, message, repo_root, tmp_p
 
 
 def test_consolidate_bad_run_dir(tmp_path):
-    from nagmoe.parallel.consolidate import consolidate_run, load_consolidated
+    from nagmoe.checkpoint.consolidate import consolidate_run, load_consolidated
 
     with pytest.raises(UserError, match="does not exist"):
         consolidate_run(str(tmp_path / "nowhere"))
@@ -111,7 +111,7 @@ def test_torchrun_train_ep2_then_consolidate(micro_overrides, repo_root, tmp_pat
     """The README line, on the micro model: torchrun, 2 gloo ranks, EP=2; then one-process consolidation."""
     import torch
 
-    from nagmoe.parallel.consolidate import consolidate_run, load_consolidated_model
+    from nagmoe.checkpoint.consolidate import consolidate_run, load_consolidated_model
     from nagmoe.train.metrics import read_metrics
 
     run_dir = tmp_path / "run"

@@ -286,7 +286,7 @@ def test_uneven_executed_fractions_stop_at_the_same_step(session, overrides):
 
 def test_consolidated_checkpoint_gives_the_sharded_logits(session, tmp_path):
     from nagmoe.commands.consolidate import run as consolidate_command
-    from nagmoe.parallel.consolidate import load_consolidated, load_consolidated_model
+    from nagmoe.checkpoint.consolidate import load_consolidated, load_consolidated_model
 
     tmp, results = session
     run_dir = os.path.join(tmp, "ep2")
@@ -308,7 +308,7 @@ def test_consolidated_checkpoint_gives_the_sharded_logits(session, tmp_path):
 
 def test_consolidated_and_sharded_checkpoints_generate_the_same_text(session, tmp_path):
     from nagmoe.eval.generate import generate_text, load_run
-    from nagmoe.parallel.consolidate import consolidate_run, load_consolidated_model
+    from nagmoe.checkpoint.consolidate import consolidate_run, load_consolidated_model
 
     tmp, results = session
     run_dir = os.path.join(tmp, "ep2")

@@ -4,8 +4,8 @@
 
 Runs the real CLI in this process. While the save of checkpoint STEP is under way and reaches POINT, the
 process writes its pid to READY_FILE and sleeps until it is killed. Nothing else changes: the wrappers call
-the real functions of nagmoe.train.checkpoint (looked up by name at call time, which is why patching the
-module's attributes reaches them). Points, in the order a save passes them:
+the real functions of nagmoe.checkpoint's torch_layout and publish modules (looked up by name at call time,
+which is why patching those modules' attributes reaches them). Points, in the order a save passes them:
 
   tensors_written  DCP has written the tensor files; no state.json, no manifest, not published
   before_publish   the tmp dir is complete (manifest fsynced) but not yet renamed to step_N
@@ -16,7 +16,8 @@ import os
 import sys
 import time
 
-from nagmoe.train import checkpoint as ckpt
+from nagmoe.checkpoint import publish as pub, torch_layout as ckpt
+from nagmoe.checkpoint.files import checkpoint_name
 
 POINTS = ("tensors_written", "before_publish", "before_prune", "mid_prune")
 
@@ -30,11 +31,11 @@ def _freeze(ready_file: str) -> None:
 
 
 def install(point: str, step: int, ready_file: str) -> None:
-    name = ckpt.checkpoint_name(step)
+    name = checkpoint_name(step)
     saving = {"target": False}  # inside the save of checkpoint `step`
 
-    real_dcp, real_rng, real_fsync_dir = ckpt._dcp, ckpt.capture_rng_state, ckpt._fsync_dir
-    real_prune, real_shutil = ckpt._prune, ckpt.shutil
+    real_dcp, real_rng, real_fsync_dir = ckpt._dcp, ckpt.capture_rng_state, pub.fsync_dir
+    real_prune, real_shutil = pub.prune, pub.shutil
 
     def dcp(fn, state, path):
         if fn is ckpt.dcp.save:
@@ -66,8 +67,8 @@ def install(point: str, step: int, ready_file: str) -> None:
                 _freeze(ready_file)
             return real_shutil.rmtree(path, *args, **kwargs)
 
-    ckpt._dcp, ckpt.capture_rng_state, ckpt._fsync_dir, ckpt._prune = dcp, capture_rng_state, fsync_dir, prune
-    ckpt.shutil = Shutil()
+    ckpt._dcp, ckpt.capture_rng_state = dcp, capture_rng_state
+    pub.fsync_dir, pub.prune, pub.shutil = fsync_dir, prune, Shutil()
 
 
 def main(argv: list[str]) -> int:

@@ -163,7 +163,7 @@ def checkpoint_steps(run_dir) -> list[str]:
 def loaded_state(checkpoint_path: str, cfg, with_optimizer: bool = True) -> dict:
     """The model (and optimizer) state of a checkpoint, loaded in this process into a fresh model."""
     from nagmoe.model import build_model
-    from nagmoe.train.checkpoint import load_checkpoint
+    from nagmoe.checkpoint import load_checkpoint
     from nagmoe.train.optim import build_optimizers
 
     model = build_model(cfg.model)

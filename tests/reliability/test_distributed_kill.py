@@ -12,7 +12,7 @@ import pytest
 
 from nagmoe.errors import UserError
 from nagmoe.parallel.env import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, dist_timeout_s
-from nagmoe.train.checkpoint import latest_valid_checkpoint
+from nagmoe.checkpoint import latest_valid_checkpoint
 from reliability_harness import (
     SHORT_STEPS,
     clean_env,

@@ -18,7 +18,7 @@ import torch
 
 from crash_driver import POINTS
 from nagmoe.errors import UserError
-from nagmoe.train.checkpoint import MANIFEST, STATE, latest_valid_checkpoint, save_checkpoint
+from nagmoe.checkpoint import MANIFEST, STATE, latest_valid_checkpoint, save_checkpoint
 from reliability_harness import (
     CRASH_DRIVER,
     SHORT,
@@ -139,7 +139,7 @@ def tear_manifest(checkpoint):
 
 def warnings_of(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "nagmoe.train.checkpoint" and r.levelno >= logging.WARNING]
+            if r.name == "nagmoe.checkpoint" and r.levelno >= logging.WARNING]
 
 
 # damage(checkpoint dir) -> the file the warning must name; and a word the warning must contain
@@ -164,7 +164,7 @@ def test_each_damaged_checkpoint_is_named_in_a_warning(damage, tmp_path, caplog)
     newest = os.path.join(tmp_path, "checkpoints", "step_000002")
     do_damage, text = DAMAGE[damage]
     named = do_damage(newest)
-    with caplog.at_level(logging.WARNING, logger="nagmoe.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="nagmoe.checkpoint"):
         chosen = latest_valid_checkpoint(str(tmp_path))
     assert chosen.endswith("step_000001")
     (message,) = warnings_of(caplog)
@@ -176,7 +176,7 @@ def test_unfinished_save_is_named_in_a_warning(tmp_path, caplog):
     done = save_checkpoint(str(tmp_path), 1, model)
     shutil.copytree(done, os.path.join(tmp_path, "checkpoints", "step_000002.tmp-4242"))
     shutil.copytree(done, os.path.join(tmp_path, "checkpoints", "step_000000.tmp-4243"))  # older: no warning
-    with caplog.at_level(logging.WARNING, logger="nagmoe.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="nagmoe.checkpoint"):
         assert latest_valid_checkpoint(str(tmp_path)) == done
     assert warnings_of(caplog) == [
         f"skipping unfinished checkpoint {os.path.join(tmp_path, 'checkpoints', 'step_000002.tmp-4242')}: "

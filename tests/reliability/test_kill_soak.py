@@ -17,7 +17,7 @@ import time
 import pytest
 
 from nagmoe.config import load_config
-from nagmoe.train.checkpoint import latest_valid_checkpoint
+from nagmoe.checkpoint import latest_valid_checkpoint
 from reliability_harness import (
     assert_same_state,
     comparable,

@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from nagmoe.train.checkpoint import MANIFEST, STATE, latest_valid_checkpoint
+from nagmoe.checkpoint import MANIFEST, STATE, latest_valid_checkpoint
 from nagmoe.train.preemption import EXIT_PREEMPTED, read_marker
 from reliability_harness import (
     SHORT_STEPS,

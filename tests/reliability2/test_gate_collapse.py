@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from nagmoe.train.checkpoint import list_checkpoints
+from nagmoe.checkpoint import list_checkpoints
 from nagmoe.train.guards import COLLAPSED_GAIN, EXIT_GATE_COLLAPSE, TrainingHalted, collapsed_fraction
 
 # warm-up of one step (256 tokens): steps 1 runs with warm-up factor 0, the check starts at step 2

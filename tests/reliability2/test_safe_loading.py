@@ -15,8 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from nagmoe.errors import UserError
-from nagmoe.train.checkpoint import MANIFEST, latest_valid_checkpoint, load_checkpoint
-from nagmoe.train.safe_dcp import UnsafeCheckpoint, safe_dcp_load
+from nagmoe.checkpoint import MANIFEST, latest_valid_checkpoint, load_checkpoint
+from nagmoe.checkpoint.safe_dcp import UnsafeCheckpoint, safe_dcp_load
 from reliability2_helpers import REPO
 
 
@@ -47,7 +47,7 @@ def checkpoint_copy(trained_run, tmp_path):
     run_dir = str(tmp_path / "run")
     shutil.copytree(os.path.join(trained_run, "run"), run_dir)
     from nagmoe.model import build_model
-    from nagmoe.train.run_dir import read_saved_config
+    from nagmoe.checkpoint.run_dir import read_saved_config
 
     cfg = read_saved_config(run_dir)
     return latest_valid_checkpoint(run_dir), build_model(cfg.model)
@@ -102,7 +102,7 @@ def test_malicious_non_tensor_item_is_refused(tmp_path):
 
 
 def test_malicious_consolidated_file_is_refused(tmp_path):
-    from nagmoe.parallel.consolidate import load_consolidated
+    from nagmoe.checkpoint.consolidate import load_consolidated
 
     marker = str(tmp_path / "pwned")
     path = str(tmp_path / "consolidated.pt")
@@ -133,7 +133,7 @@ def test_every_torch_load_uses_weights_only():
 
 
 def test_deepspeed_is_documented_trusted_only():
-    with open(os.path.join(REPO, "nagmoe", "parallel", "deepspeed_engine.py")) as f:
+    with open(os.path.join(REPO, "nagmoe", "train", "deepspeed_engine.py")) as f:
         assert "trust" in f.read()
     with open(os.path.join(REPO, "README.md")) as f:
         text = f.read()

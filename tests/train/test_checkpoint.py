@@ -9,7 +9,7 @@ import torch
 
 from nagmoe.config import TrainConfig
 from nagmoe.errors import UserError
-from nagmoe.train.checkpoint import (
+from nagmoe.checkpoint import (
     MANIFEST,
     latest_valid_checkpoint,
     list_checkpoints,

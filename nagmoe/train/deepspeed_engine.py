@@ -23,16 +23,12 @@ Integration (docs/decisions.md, "DeepSpeed engine"):
     eps as `nagmoe.train.optim`. Muon is not supported: it needs whole matrices and ZeRO 1/2 hands the
     optimizer flat partitions of each group; DeepSpeed's own MuonWithAuxAdam is a different algorithm (bf16
     Newton-Schulz on partition slices), so it would not give the torch engine's numbers.
-  * Checkpoints: DeepSpeed's `save_checkpoint`/`load_checkpoint` in the run-dir layout of
-    nagmoe.train.checkpoint (step_N/ published by rename, state.json, manifest.json verified before load):
-        step_000123/mp_rank_00_model_states.pt                  replicated parameters + buffers (DeepSpeed)
-        step_000123/zero_pp_rank_<r>_mp_rank_00_optim_states.pt  rank r's ZeRO partition + AdamW state
-        step_000123/own_rank_<r>.pt                             rank r's own parameters + their AdamW state
-        step_000123/state.json, manifest.json                   {"format": "deepspeed-1", step, rng, extra, layout}
-    DeepSpeed's loader unpickles (`torch.load(weights_only=False)`): resume only from checkpoints you trust.
-    Our own files load with `weights_only=True`. Resume needs the same world size, EP degree and ZeRO stage.
-    `deepspeed_model_state(path)` reads the whole model (every expert) in one process without unpickling,
-    for evaluation, generation or consolidation.
+  * Checkpoints: DeepSpeed's `save_checkpoint`/`load_checkpoint` in the shared run-dir layout (files listed
+    in nagmoe.checkpoint.deepspeed_layout; published and verified as the torch engine's). Resume needs the
+    same world size, EP degree and ZeRO stage. DeepSpeed's loader unpickles (`torch.load(weights_only=False)`):
+    resume only from checkpoints you trust. `nagmoe.checkpoint.deepspeed_model_state(path)` reads the
+    whole model (every expert) in one process without unpickling: eval, generate, analyze and consolidate
+    read a DeepSpeed run through it.
 On CPU, DeepSpeed runs with DS_ACCELERATOR=cpu and gloo; its communication backend JIT-builds a small C++ op
 (deepspeed_shm_comm, ~1.5 min on 2 cores once, cached in TORCH_EXTENSIONS_DIR).
 """
@@ -48,16 +44,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nagmoe.checkpoint.deepspeed_layout import FORMAT, check_deepspeed_state, read_own_state, write_own_state
+from nagmoe.checkpoint.files import verify_checkpoint
+from nagmoe.checkpoint.publish import publish, save_paths
+from nagmoe.checkpoint.rng import capture_rng_state, restore_rng_state
 from nagmoe.errors import UserError
 from nagmoe.model.roles import ROLES, param_roles
 from nagmoe.parallel.grad_sync import named_params, sync_expert_grads
 from nagmoe.parallel.mesh import ParallelMesh
-from nagmoe.train import checkpoint as ckpt
 from nagmoe.train.optim import ADAMW_BETAS, ADAMW_EPS, ROLE_LR_FIELD, OptimizerBundle
-
-FORMAT = "deepspeed-1"  # state.json "format" of a DeepSpeed checkpoint (the torch engine refuses it)
-OWN_FILE = "own_rank_{rank:05d}.pt"  # the parameters DeepSpeed does not manage, one file per rank
-MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's file of the module state (no model parallelism)
 INSTALL_HINT = "DS_BUILD_OPS=0 pip install 'deepspeed==0.19.8'"
 
 
@@ -326,40 +321,26 @@ class DeepSpeedEngine:
         return {"world_size": self.mesh.world_size, "ep": self.mesh.ep, "zero_stage": self.cfg.parallel.zero_stage}
 
     def save_checkpoint(self, run_dir: str, step: int, extra_state: dict, keep: int = 2) -> str:
-        """RUN_DIR/checkpoints/step_<step>/ through DeepSpeed (module docstring), published atomically like
-        nagmoe.train.checkpoint.save_checkpoint; keeps the newest `keep`. Collective."""
+        """RUN_DIR/checkpoints/step_<step>/ through DeepSpeed (nagmoe.checkpoint.deepspeed_layout), published
+        atomically like the torch engine's; keeps the newest `keep`. Collective."""
         if keep < 1:
             raise UserError(f"train.keep_checkpoints: {keep} must be >= 1")
         json.dumps(extra_state, allow_nan=False)  # fail on every rank before anything is written
         rank = dist.get_rank()
-        root = os.path.join(run_dir, ckpt.CHECKPOINTS)
-        final = os.path.join(root, ckpt.checkpoint_name(step))
         tag = str(self.mesh.broadcast(os.getpid()))
-        tmp_name = f"{os.path.basename(final)}.tmp-{tag}"
-        tmp = os.path.join(root, tmp_name)
+        root, final, tmp = save_paths(run_dir, step, tag)
         if rank == 0:
             os.makedirs(root, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        self.ds.save_checkpoint(root, tag=tmp_name, save_latest=False)  # ends with a barrier
-        own = dict(zip(self.own_names, self.expert_params + self.scalar_params))
-        torch.save({"params": {n: p.detach().cpu() for n, p in own.items()}, "expert_names": self.expert_names,
-                    "optim": self.own_optim.state_dict() if self.own_optim is not None else None},
-                   os.path.join(tmp, OWN_FILE.format(rank=rank)))
+        self.ds.save_checkpoint(root, tag=os.path.basename(tmp), save_latest=False)  # ends with a barrier
+        write_own_state(tmp, rank, dict(zip(self.own_names, self.expert_params + self.scalar_params)),
+                        self.expert_names, self.own_optim.state_dict() if self.own_optim is not None else None)
         rngs: list = [None] * dist.get_world_size()
-        dist.all_gather_object(rngs, ckpt.capture_rng_state())  # also: every rank's file is written
+        dist.all_gather_object(rngs, capture_rng_state())  # also: every rank's file is written
         if rank == 0:
             state = {"format": FORMAT, "step": step, "rng": rngs, "extra": extra_state, "layout": self.layout()}
-            ckpt._write_json(os.path.join(tmp, ckpt.STATE), state)
-            files = {rel: {"sha256": ckpt._sha256_and_sync(os.path.join(tmp, rel)),
-                           "bytes": os.path.getsize(os.path.join(tmp, rel))} for rel in ckpt._files_under(tmp)}
-            ckpt._write_json(os.path.join(tmp, ckpt.MANIFEST), {"format": FORMAT, "step": step, "files": files})
-            ckpt._fsync_dir(tmp)
-            if os.path.exists(final):  # re-saving a step: replace it only once ours is complete
-                ckpt._remove_dir(final, tag)
-            os.rename(tmp, final)
-            ckpt._fsync_dir(root)
-            ckpt._prune(root, run_dir, step, keep, tag)
+            publish(tmp, final, run_dir, state, keep, tag)
         dist.barrier()
         return final
 
@@ -369,52 +350,26 @@ class DeepSpeedEngine:
         error = None
         if dist.get_rank() == 0:
             try:
-                ckpt.verify_checkpoint(path)
+                verify_checkpoint(path)
             except UserError as e:
                 error = str(e)
         error = self.mesh.broadcast(error)
         if error is not None:
             raise UserError(error)
-        state = ckpt.read_checkpoint_state(path)
-        if state.get("format") != FORMAT:
-            raise UserError(f"checkpoint {path}: format {state.get('format')!r} was not written by "
-                            f"parallel.engine=deepspeed (expected {FORMAT!r})")
-        if state.get("layout") != self.layout():
-            raise UserError(f"checkpoint {path} was written with {state.get('layout')}; this run is "
-                            f"{self.layout()} (a DeepSpeed checkpoint resumes on the same layout only)")
+        state = check_deepspeed_state(path, self.layout())
         root, tag = os.path.split(os.path.normpath(path))
         load_path, _ = self.ds.load_checkpoint(root, tag=tag, load_module_strict=True, load_optimizer_states=True,
                                                load_lr_scheduler_states=False)
         if load_path is None:
             raise UserError(f"checkpoint {path}: DeepSpeed could not load it")
-        own = torch.load(os.path.join(path, OWN_FILE.format(rank=dist.get_rank())), map_location=self.device,
-                         weights_only=True)
+        own = read_own_state(path, dist.get_rank(), self.device)
         with torch.no_grad():
             for name, p in zip(self.own_names, self.expert_params + self.scalar_params):
                 p.copy_(own["params"][name])
         if self.own_optim is not None:
             self.own_optim.load_state_dict(own["optim"])
         if restore_rng:
-            ckpt.restore_rng_state(state["rng"][dist.get_rank()])
+            restore_rng_state(state["rng"][dist.get_rank()])
         extra = dict(state["extra"])
         extra["step"] = state["step"]
         return extra
-
-
-def deepspeed_model_state(path: str) -> dict:
-    """The whole model's state dict (every expert) from a DeepSpeed checkpoint, in one process and without
-    unpickling (`weights_only` loads; deepspeed need not be installed): replicated parameters and buffers from
-    DeepSpeed's module file, expert stacks concatenated over the EP ranks of the first data-parallel replica
-    (ranks 0..ep-1, rank = dp_rank·ep + ep_rank), 0-dim parameters from rank 0. Verifies the manifest first."""
-    ckpt.verify_checkpoint(path)
-    state = ckpt.read_checkpoint_state(path)
-    if state.get("format") != FORMAT:
-        raise UserError(f"checkpoint {path}: format {state.get('format')!r} is not a DeepSpeed checkpoint")
-    ep = state["layout"]["ep"]
-    out = dict(torch.load(os.path.join(path, MODEL_STATES), map_location="cpu", weights_only=True)["module"])
-    owns = [torch.load(os.path.join(path, OWN_FILE.format(rank=r)), map_location="cpu", weights_only=True)
-            for r in range(ep)]
-    experts = set(owns[0]["expert_names"])
-    for name, tensor in owns[0]["params"].items():
-        out[name] = torch.cat([o["params"][name] for o in owns]) if name in experts else tensor
-    return out

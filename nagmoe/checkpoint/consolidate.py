@@ -2,7 +2,8 @@
 
 `consolidate_run(RUN_DIR)` builds the full single-device model of the run's config (all experts), loads the
 newest valid checkpoint into it in this one process — DCP reads each expert from whichever rank's shard
-holds it, whatever the world size and EP degree of the run — and writes `RUN_DIR/consolidated.pt`:
+holds it, whatever the world size and EP degree of the run; a DeepSpeed-engine checkpoint is read through
+its own layout (nagmoe.checkpoint.reader) — and writes `RUN_DIR/consolidated.pt`:
 
     {"format": "nagmoe-consolidated", "version": 1, "config": <Config as a dict>, "model": <state dict>,
      "step": int, "progress": {...}, "checkpoint": <source path>}
@@ -19,8 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nagmoe.checkpoint.reader import load_model_weights
+from nagmoe.checkpoint.resume import latest_valid_checkpoint
+from nagmoe.checkpoint.run_dir import CONFIG_FILE, read_saved_config
 from nagmoe.config import Config, config_from_dict, to_dict
 from nagmoe.errors import UserError
+from nagmoe.model import build_model
 
 CONSOLIDATED = "consolidated.pt"
 FORMAT = "nagmoe-consolidated"
@@ -30,10 +35,6 @@ VERSION = 1
 def consolidate_run(run_dir: str, checkpoint: Optional[str] = None, out: Optional[str] = None) -> str:
     """Write the consolidated checkpoint of `run_dir` (default: its newest valid checkpoint) to `out`
     (default RUN_DIR/consolidated.pt) atomically; return the path. Single process only."""
-    from nagmoe.model import build_model
-    from nagmoe.train.checkpoint import latest_valid_checkpoint, load_checkpoint
-    from nagmoe.train.run_dir import CONFIG_FILE, read_saved_config
-
     if dist.is_available() and dist.is_initialized():
         raise UserError("nagmoe consolidate runs in one process (not under torchrun/srun)")
     if not os.path.isdir(run_dir):
@@ -46,7 +47,7 @@ def consolidate_run(run_dir: str, checkpoint: Optional[str] = None, out: Optiona
         if checkpoint is None:
             raise UserError(f"{run_dir}: no valid checkpoint under checkpoints/")
     model = build_model(cfg.model)
-    extra = load_checkpoint(checkpoint, model, None, restore_rng=False)  # verifies the manifest first
+    extra = load_model_weights(checkpoint, model)  # verifies the manifest first
     payload = {"format": FORMAT, "version": VERSION, "config": to_dict(cfg),
                "model": {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
                "step": int(extra["step"]), "progress": extra.get("progress", {}),
@@ -75,8 +76,6 @@ def load_consolidated(path: str) -> tuple[Config, dict]:
 
 def load_consolidated_model(path: str, device: str = "cpu") -> tuple[Config, nn.Module]:
     """The single-device model of a consolidated checkpoint, in eval mode."""
-    from nagmoe.model import build_model
-
     cfg, state = load_consolidated(path)
     model = build_model(cfg.model)
     model.load_state_dict(state)

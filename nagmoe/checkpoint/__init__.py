@@ -1,0 +1,29 @@
+"""Checkpoints, for every engine and every command, in one package (nothing here imports nagmoe.train or
+nagmoe.parallel: the engines and commands import from it).
+
+  files.py            the shared step_N/ layout: names, hashing, manifest verification, listing, state.json
+  publish.py          the end of every save: state.json + manifest, atomic rename, pruning old checkpoints
+  torch_layout.py     the torch engine's checkpoint: DCP tensors (EP experts as DTensors), save and load
+  deepspeed_layout.py the DeepSpeed engine's files and the whole-model reader of them
+  safe_dcp.py         DCP loading without arbitrary unpickling (restricted unpickler, weights_only planner)
+  rng.py              every RNG state as JSON
+  resume.py           which checkpoint a run resumes from (newest valid; refusing to start over silently)
+  run_dir.py          the run dir's config, provenance and summary files; resume config checks
+  reader.py           one reader for both layouts: the whole model in one process
+  consolidate.py      one single-file checkpoint (consolidated.pt) from either layout
+"""
+from nagmoe.checkpoint.deepspeed_layout import deepspeed_model_state
+from nagmoe.checkpoint.files import (CHECKPOINTS, MANIFEST, STATE, checkpoint_name, list_checkpoints,
+                                     read_checkpoint_state, unfinished_writes, verify_checkpoint)
+from nagmoe.checkpoint.reader import checkpoint_format, load_model_weights
+from nagmoe.checkpoint.resume import latest_valid_checkpoint, resume_checkpoint
+from nagmoe.checkpoint.rng import capture_rng_state, restore_rng_state
+from nagmoe.checkpoint.safe_dcp import UnsafeCheckpoint, safe_dcp_load
+from nagmoe.checkpoint.torch_layout import load_checkpoint, save_checkpoint
+
+__all__ = [
+    "CHECKPOINTS", "MANIFEST", "STATE", "UnsafeCheckpoint", "capture_rng_state", "checkpoint_format",
+    "checkpoint_name", "deepspeed_model_state", "latest_valid_checkpoint", "list_checkpoints", "load_checkpoint", "load_model_weights",
+    "read_checkpoint_state", "restore_rng_state", "resume_checkpoint", "safe_dcp_load", "save_checkpoint",
+    "unfinished_writes", "verify_checkpoint",
+]

@@ -1,0 +1,120 @@
+"""The on-disk layout every checkpoint shares, whatever the engine, and its verification.
+
+    RUN_DIR/checkpoints/step_000123/
+        ...engine files...     DCP files (torch engine) or DeepSpeed's files + own_rank_*.pt (deepspeed)
+        state.json             {"format", "step", "rng": [per rank], "extra": ..., ["layout"]}
+        manifest.json          sha256 and size of every other file; written last
+
+A reader takes a checkpoint only if its manifest exists and every listed file has the recorded size and
+sha256, so a half-written, truncated or corrupted checkpoint is never loaded. `step_N.tmp-<tag>` is a save
+in progress (or one killed before it published); `step_N.del-<tag>` is a checkpoint being deleted.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from typing import Any
+
+from nagmoe.errors import UserError
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+STATE = "state.json"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+TMP_DIR = re.compile(r"^step_(\d+)\.tmp-")  # a save in progress, or one killed before it published
+_HASH_CHUNK = 1 << 22
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, allow_nan=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sha256_and_sync(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+            h.update(chunk)
+        os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+def files_under(root: str) -> list[str]:
+    out = []
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            out.append(os.path.relpath(os.path.join(dirpath, name), root))
+    return sorted(out)
+
+
+def _matching_dirs(run_dir: str, pattern: re.Pattern) -> list[tuple[int, str]]:
+    root = os.path.join(run_dir, CHECKPOINTS)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = pattern.match(name)
+        if m and os.path.isdir(os.path.join(root, name)):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """Published checkpoint directories (valid or not), oldest first; tmp/del directories are ignored."""
+    return _matching_dirs(run_dir, STEP_DIR)
+
+
+def unfinished_writes(run_dir: str) -> list[tuple[int, str]]:
+    """Temporary directories of saves that never published (the process died mid-write), oldest first."""
+    return _matching_dirs(run_dir, TMP_DIR)
+
+
+def verify_checkpoint(path: str) -> dict:
+    """Check the manifest of checkpoint `path`; return it, or raise UserError naming the bad file."""
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise UserError(f"checkpoint {path} does not exist or is not a directory")
+    if not os.path.isfile(manifest_path):
+        raise UserError(f"checkpoint {path} has no {MANIFEST} (incomplete checkpoint)")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"checkpoint manifest {manifest_path} is unreadable ({type(e).__name__})") from None
+    if STATE not in files:
+        raise UserError(f"checkpoint manifest {manifest_path} does not list {STATE}")
+    for rel, entry in files.items():
+        file_path = os.path.join(path, rel)
+        if not os.path.isfile(file_path):
+            raise UserError(f"checkpoint file {file_path} is missing")
+        size = os.path.getsize(file_path)
+        if size != entry["bytes"]:
+            raise UserError(f"checkpoint file {file_path} has {size} bytes, manifest says {entry['bytes']} "
+                            "(truncated or overwritten)")
+        digest = sha256_and_sync(file_path)
+        if digest != entry["sha256"]:
+            raise UserError(f"checkpoint file {file_path} fails its sha256 check (corrupted)")
+    return manifest
+
+
+def read_checkpoint_state(path: str) -> dict:
+    """The checkpoint's state.json: {"format", "step", "rng", "extra"[, "layout"]} (no verification)."""
+    with open(os.path.join(path, STATE)) as f:
+        return json.load(f)

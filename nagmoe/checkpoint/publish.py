@@ -1,0 +1,56 @@
+"""Publishing a finished save and pruning old checkpoints: the sequence both engines end a save with.
+
+Everything is written under `step_N.tmp-<tag>`, files are fsync'ed while hashing, the manifest goes in last,
+then one `os.rename` publishes the directory. Old checkpoints are removed only after the new one is
+published (renamed to `*.del-<tag>` first, so a crash mid-delete leaves nothing that looks like a
+checkpoint). Rank 0 alone runs this; the engines call it between their barriers.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+from nagmoe.checkpoint.files import (CHECKPOINTS, MANIFEST, STATE, checkpoint_name, files_under, fsync_dir,
+                                     list_checkpoints, sha256_and_sync, write_json)
+
+
+def save_paths(run_dir: str, step: int, tag: str) -> tuple[str, str, str]:
+    """(checkpoints root, final step_N path, temporary path of this save)."""
+    root = os.path.join(run_dir, CHECKPOINTS)
+    final = os.path.join(root, checkpoint_name(step))
+    return root, final, f"{final}.tmp-{tag}"
+
+
+def remove_dir(path: str, tag: str) -> None:
+    """Rename out of the step_* namespace first, so a crash mid-delete never leaves a look-alike checkpoint."""
+    doomed = f"{path}.del-{tag}"
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def prune(root: str, run_dir: str, new_step: int, keep: int, tag: str) -> None:
+    """Keep the `keep` newest checkpoints up to `new_step`; later ones belong to an abandoned timeline (the
+    run resumed from an earlier step, so they were invalid or not chosen) and would shadow the new one."""
+    published = list_checkpoints(run_dir)
+    older = [(s, p) for s, p in published if s <= new_step]
+    doomed = [p for s, p in published if s > new_step] + [p for _, p in older[:-keep]]
+    for path in doomed:
+        remove_dir(path, tag)
+    for name in os.listdir(root):  # leftovers of crashed saves or deletes
+        if ".tmp-" in name or ".del-" in name:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def publish(tmp: str, final: str, run_dir: str, state: dict, keep: int, tag: str) -> None:
+    """Write state.json and the manifest into the complete `tmp`, rename it to `final`, prune to `keep`."""
+    root = os.path.dirname(final)
+    write_json(os.path.join(tmp, STATE), state)
+    files = {rel: {"sha256": sha256_and_sync(os.path.join(tmp, rel)),
+                   "bytes": os.path.getsize(os.path.join(tmp, rel))} for rel in files_under(tmp)}
+    write_json(os.path.join(tmp, MANIFEST), {"format": state["format"], "step": state["step"], "files": files})
+    fsync_dir(tmp)
+    if os.path.exists(final):  # re-saving a step (e.g. a resumed run): replace it only once ours is complete
+        remove_dir(final, tag)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    prune(root, run_dir, state["step"], keep, tag)

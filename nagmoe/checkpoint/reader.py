@@ -1,0 +1,29 @@
+"""One reader for every engine's checkpoint: the whole model in one process, for eval, generate, analyze and
+consolidate. The layout is told by state.json's "format" (1: torch engine, DCP; "deepspeed-1": DeepSpeed
+engine); either way the manifest is verified first and nothing outside the allow-lists is unpickled."""
+from __future__ import annotations
+
+from torch import nn
+
+from nagmoe.checkpoint import deepspeed_layout, torch_layout
+from nagmoe.checkpoint.files import read_checkpoint_state, verify_checkpoint
+from nagmoe.errors import UserError
+
+
+def checkpoint_format(path: str):
+    """state.json's "format" of checkpoint `path` (call after verifying it)."""
+    try:
+        return read_checkpoint_state(path).get("format")
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"checkpoint {path}: unreadable state.json ({type(e).__name__})") from None
+
+
+def load_model_weights(path: str, model: nn.Module) -> dict:
+    """Load the full model state of checkpoint `path` (any engine) into the single-device `model`; return
+    the checkpoint's extra state with "step" set. No RNG is restored, no optimizer state is read."""
+    verify_checkpoint(path)
+    if checkpoint_format(path) == deepspeed_layout.FORMAT:
+        model.load_state_dict(deepspeed_layout.deepspeed_model_state(path, verified=True))
+        state = read_checkpoint_state(path)
+        return {**state["extra"], "step": state["step"]}
+    return torch_layout.load_checkpoint(path, model, None, restore_rng=False, verified=True)

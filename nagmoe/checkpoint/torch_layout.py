@@ -1,0 +1,213 @@
+"""The torch engine's checkpoint: torch.distributed.checkpoint (DCP) for tensors, JSON for the rest.
+
+    RUN_DIR/checkpoints/step_000123/
+        .metadata, __0_0.distcp, ...   DCP files: {"model": model state, "optim": optimizer state}
+        state.json                     {"format": 1, "step", "rng": [per rank], "extra": extra_state}
+        manifest.json                  written last (nagmoe.checkpoint.files, .publish)
+
+DCP runs without a process group in one process (`no_dist=True`, checked on torch 2.13); under an
+initialised group the save/load are collective, rank 0 writes the JSON files and the manifest, and every
+rank's RNG state is stored (restored by rank index). Model and optimizer state go through
+`torch.distributed.checkpoint.state_dict` (parameter-name keys, DDP/compile wrappers stripped), which
+accepts a plain nn.Module and a single optimizer, a list of them or any iterable of optimizers.
+
+Expert parallelism: expert stacks have the same names on every rank but different contents (each EP rank
+holds a slice of the experts). `shard_plan` maps such parameter names to `(DeviceMesh, placements)`; the
+parameter and every optimizer-state tensor of its shape are then saved and loaded as DTensors, so DCP
+stores each expert once with its global offset (replicas over data-parallel ranks deduplicated) and a
+load on another layout — another EP degree, or one process without any plan (`nagmoe consolidate`) —
+reads the right experts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from nagmoe.checkpoint.files import read_checkpoint_state, verify_checkpoint
+from nagmoe.checkpoint.publish import publish, save_paths
+from nagmoe.checkpoint.rng import capture_rng_state, restore_rng_state
+from nagmoe.checkpoint.safe_dcp import safe_dcp_load
+from nagmoe.errors import UserError
+
+FORMAT = 1  # state.json "format" of a torch-engine checkpoint
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Small helpers
+# ----------------------------------------------------------------------------------------------------------
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _broadcast_from_rank0(obj: Any) -> Any:
+    if not _distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _optimizer_list(optimizers) -> list[torch.optim.Optimizer]:
+    if optimizers is None:
+        return []
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers]
+    return list(optimizers)  # a list/tuple of optimizers or an OptimizerBundle (iterable of optimizers)
+
+
+def _tensor_state(model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                  shard_plan: Optional[dict] = None) -> dict:
+    state = {"model": get_model_state_dict(model)}
+    if optimizers:
+        state["optim"] = get_optimizer_state_dict(model, optimizers)  # creates empty optimizer state if needed
+    if shard_plan:
+        _wrap_sharded(state, shard_plan)
+    return state
+
+
+def _wrap_sharded(state: dict, shard_plan: dict) -> None:
+    """Replace the local shards named in `shard_plan` (and their optimizer state) by DTensors, in `state`.
+
+    `get_optimizer_state_dict` returns the optimizer's own per-parameter dicts (not copies), so each is
+    copied before its entries are swapped: writing DTensors into them would leave the live optimizer mixing
+    DTensors and tensors at its next step (a mid-run checkpoint under EP crashed the run)."""
+    from torch.distributed.tensor import DTensor
+
+    def wrap(t: torch.Tensor, spec) -> torch.Tensor:
+        mesh, placements = spec
+        return DTensor.from_local(t, mesh, list(placements), run_check=False)
+
+    model_state = state["model"]
+    optim_state = state.get("optim", {}).get("state", {})
+    for name, spec in shard_plan.items():
+        local = model_state[name]
+        model_state[name] = wrap(local, spec)
+        if name not in optim_state:
+            continue
+        per_param = optim_state[name] = dict(optim_state[name])
+        for key, value in list(per_param.items()):
+            if torch.is_tensor(value) and value.shape == local.shape:  # momentum, Adam moments (not `step`)
+                per_param[key] = wrap(value, spec)
+
+
+def _unwrap_sharded(state: Any) -> Any:
+    """DTensors back to their local shards (nested dicts/lists)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {k: _unwrap_sharded(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_unwrap_sharded(v) for v in state]
+    return state
+
+
+def _dcp(fn, state: dict, path: str) -> None:
+    """dcp.save / dcp.load; single-process when no group is initialised (DCP then warns on every call
+    that it assumes one process — which is exactly our intent, so that one warning is silenced)."""
+    no_dist = not _distributed()
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
+        fn(state, checkpoint_id=path, no_dist=no_dist)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Save / load
+# ----------------------------------------------------------------------------------------------------------
+def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizers=None,
+                    extra_state: Optional[dict] = None, keep: int = 2, shard_plan: Optional[dict] = None) -> str:
+    """Write RUN_DIR/checkpoints/step_<step>/ atomically; keep the newest `keep`; return its path.
+
+    `extra_state` must be JSON-serialisable (tokens, flops, data-loader position, ...); the RNG states of
+    every rank are added automatically. Collective when a process group is initialised. `shard_plan`: the
+    expert-parallel parameters (module docstring).
+    """
+    if keep < 1:
+        raise UserError(f"train.keep_checkpoints: {keep} must be >= 1")
+    extra_state = dict(extra_state or {})
+    if extra_state.get("step", step) != step:
+        raise ValueError(f"extra_state['step']={extra_state['step']} disagrees with step={step}")
+    json.dumps(extra_state, allow_nan=False)  # fail on every rank before anything is written
+    tag = str(_broadcast_from_rank0(os.getpid()))
+    root, final, tmp = save_paths(run_dir, step, tag)
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+
+    _dcp(dcp.save, _tensor_state(model, _optimizer_list(optimizers), shard_plan), tmp)
+
+    rng = capture_rng_state()
+    if _distributed():
+        all_rng: list = [None] * dist.get_world_size()
+        dist.all_gather_object(all_rng, rng)
+    else:
+        all_rng = [rng]
+    if _rank() == 0:
+        publish(tmp, final, run_dir, {"format": FORMAT, "step": step, "rng": all_rng, "extra": extra_state},
+                keep, tag)
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizers=None, restore_rng: bool = True,
+                    shard_plan: Optional[dict] = None, verified: bool = False) -> dict:
+    """Verify the manifest, then load model (and optimizer) state in place; return the extra state.
+
+    The returned dict is the `extra_state` given to `save_checkpoint` with `"step"` set. A bad checksum,
+    missing or truncated file raises UserError naming the file, before anything is loaded (`verified`: the
+    caller has just verified it).
+    """
+    error = None
+    if _rank() == 0 and not verified:
+        try:
+            verify_checkpoint(path)
+        except UserError as e:
+            error = str(e)
+    error = _broadcast_from_rank0(error)
+    if error is not None:
+        raise UserError(error)
+    state = read_checkpoint_state(path)
+    if state.get("format") != FORMAT:
+        raise UserError(f"checkpoint {path}: unsupported format {state.get('format')!r} (expected {FORMAT})")
+
+    opts = _optimizer_list(optimizers)
+    tensors = _tensor_state(model, opts, shard_plan)
+    _dcp(safe_dcp_load, tensors, path)  # no arbitrary unpickling (nagmoe.checkpoint.safe_dcp)
+    if shard_plan:
+        tensors = _unwrap_sharded(tensors)
+    set_model_state_dict(model, tensors["model"])
+    if opts:
+        set_optimizer_state_dict(model, opts, tensors["optim"])
+    if restore_rng:
+        rngs = state["rng"]
+        restore_rng_state(rngs[_rank()] if _rank() < len(rngs) else rngs[0])
+    extra = dict(state["extra"])
+    extra["step"] = state["step"]
+    return extra

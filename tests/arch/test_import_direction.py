@@ -1,0 +1,39 @@
+"""Imports run one way (issue 20): the layers of the package and the checkpoint package's place in them.
+
+The graph counts every import statement, lazy ones inside functions too (tests/arch/import_graph.py)."""
+import pytest
+
+from import_graph import cycles, import_graph
+
+GRAPH = import_graph()
+
+
+def _importers(prefixes: tuple[str, ...], forbidden: str) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, targets in GRAPH.items() if m.startswith(prefixes)
+                  for t in targets if t == forbidden or t.startswith(forbidden + "."))
+
+
+@pytest.mark.parametrize("layer,forbidden", [
+    (("nagmoe.parallel", "nagmoe.eval"), "nagmoe.train"),
+    (("nagmoe.checkpoint",), "nagmoe.train"),
+    (("nagmoe.checkpoint",), "nagmoe.parallel"),
+    (("nagmoe.ops",), "nagmoe.model"),
+    (("nagmoe.model",), "nagmoe.train"),
+    (("nagmoe.model",), "nagmoe.parallel"),
+    (("nagmoe.model",), "nagmoe.checkpoint"),
+    (("nagmoe.schema", "nagmoe.flops", "nagmoe.nag_math", "nagmoe.errors"), "nagmoe.config"),
+])
+def test_layer_does_not_import_upwards(layer, forbidden):
+    assert _importers(layer, forbidden) == []
+
+
+def test_no_import_circle():
+    assert cycles(GRAPH) == []
+
+
+def test_the_graph_sees_lazy_and_relative_imports():
+    """The checks above would pass vacuously on a graph that missed edges: pin a few known ones."""
+    assert "nagmoe.checkpoint.torch_layout" in GRAPH["nagmoe.checkpoint.reader"]      # from pkg import module
+    assert "nagmoe.train.trainer" in GRAPH["nagmoe.commands.train"]                    # inside a function
+    assert "nagmoe.flops" in GRAPH["nagmoe.config"] and "nagmoe.schema" in GRAPH["nagmoe.flops"]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
