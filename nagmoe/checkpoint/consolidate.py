@@ -42,12 +42,13 @@ def consolidate_run(run_dir: str, checkpoint: Optional[str] = None, out: Optiona
     cfg = read_saved_config(run_dir)
     if cfg is None:
         raise UserError(f"{os.path.join(run_dir, CONFIG_FILE)} is missing: not a run dir")
+    verified = checkpoint is None
     if checkpoint is None:
         checkpoint = latest_valid_checkpoint(run_dir)
         if checkpoint is None:
             raise UserError(f"{run_dir}: no valid checkpoint under checkpoints/")
     model = build_model(cfg.model)
-    extra = load_model_weights(checkpoint, model)  # verifies the manifest first
+    extra = load_model_weights(checkpoint, model, verified=verified)  # the manifest is checked once, first
     payload = {"format": FORMAT, "version": VERSION, "config": to_dict(cfg),
                "model": {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
                "step": int(extra["step"]), "progress": extra.get("progress", {}),

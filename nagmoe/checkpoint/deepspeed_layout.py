@@ -18,11 +18,29 @@ import os
 import torch
 
 from nagmoe.checkpoint.files import read_checkpoint_state, verify_checkpoint
+from nagmoe.checkpoint.safe_dcp import weights_only_load
 from nagmoe.errors import UserError
 
 FORMAT = "deepspeed-1"  # state.json "format" of a DeepSpeed checkpoint (the torch engine refuses it)
 OWN_FILE = "own_rank_{rank:05d}.pt"  # the parameters DeepSpeed does not manage, one file per rank
 MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's file of the module state (no model parallelism)
+
+
+# DeepSpeed's own classes in its ZeRO optimizer files (0.19.8, stages 1 and 2): plain values, no behaviour
+# at load. Everything else in DeepSpeed's files is tensors and containers.
+DEEPSPEED_CLASSES = (("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+                     ("deepspeed.utils.tensor_fragment", "fragment_address"),
+                     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"))
+
+
+def load_deepspeed_file(path: str, map_location=None) -> dict:
+    """One file DeepSpeed wrote, read with `weights_only=True` plus DEEPSPEED_CLASSES (imported from the
+    installed deepspeed, which a resume has): what our checkpoint engine hands DeepSpeed instead of its own
+    `torch.load(weights_only=False)`."""
+    import importlib
+
+    classes = tuple(getattr(importlib.import_module(m), n) for m, n in DEEPSPEED_CLASSES)
+    return weights_only_load(path, path, map_location, classes)
 
 
 def write_own_state(directory: str, rank: int, params: dict, expert_names: list, optim_state) -> None:
@@ -33,7 +51,8 @@ def write_own_state(directory: str, rank: int, params: dict, expert_names: list,
 
 def read_own_state(path: str, rank: int, device="cpu") -> dict:
     """{"params", "expert_names", "optim"} of rank `rank` (plain data: `weights_only`)."""
-    return torch.load(os.path.join(path, OWN_FILE.format(rank=rank)), map_location=device, weights_only=True)
+    file = os.path.join(path, OWN_FILE.format(rank=rank))
+    return weights_only_load(file, file, device)
 
 
 def check_deepspeed_state(path: str, layout: dict) -> dict:
@@ -60,11 +79,9 @@ def deepspeed_model_state(path: str, verified: bool = False) -> dict:
     if state.get("format") != FORMAT:
         raise UserError(f"checkpoint {path}: format {state.get('format')!r} is not a DeepSpeed checkpoint")
     ep = state["layout"]["ep"]
-    try:
-        out = dict(torch.load(os.path.join(path, MODEL_STATES), map_location="cpu", weights_only=True)["module"])
-        owns = [read_own_state(path, r) for r in range(ep)]
-    except Exception as e:  # pickle.UnpicklingError names the refused global
-        raise UserError(f"checkpoint {path}: not plain data ({str(e).splitlines()[0][:200]})") from None
+    module_file = os.path.join(path, MODEL_STATES)
+    out = dict(weights_only_load(module_file, module_file, "cpu")["module"])
+    owns = [read_own_state(path, r) for r in range(ep)]
     experts = set(owns[0]["expert_names"])
     for name, tensor in owns[0]["params"].items():
         out[name] = torch.cat([o["params"][name] for o in owns]) if name in experts else tensor

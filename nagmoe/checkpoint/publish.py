@@ -1,6 +1,8 @@
 """Publishing a finished save and pruning old checkpoints: the sequence both engines end a save with.
 
-Everything is written under `step_N.tmp-<tag>`, files are fsync'ed while hashing, the manifest goes in last,
+A step whose `step_N` exists and verifies is not saved again (`already_saved`, decided before anything is
+written): the state at a step is the state at that step, and replacing a valid copy would open a window in
+which a kill leaves none. Everything else is written under `step_N.tmp-<tag>`, files are fsync'ed while hashing, the manifest goes in last,
 then one `os.rename` publishes the directory. Old checkpoints are removed only after the new one is
 published (renamed to `*.del-<tag>` first, so a crash mid-delete leaves nothing that looks like a
 checkpoint). Rank 0 alone runs this; the engines call it between their barriers.
@@ -10,8 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 
-from nagmoe.checkpoint.files import (CHECKPOINTS, MANIFEST, STATE, checkpoint_name, files_under, fsync_dir,
-                                     list_checkpoints, sha256_and_sync, write_json)
+from nagmoe.checkpoint.files import (CHECKPOINTS, MANIFEST, STATE, checkpoint_name, describe_files, fsync_dir,
+                                     is_valid_checkpoint, list_checkpoints, write_json)
 
 
 def save_paths(run_dir: str, step: int, tag: str) -> tuple[str, str, str]:
@@ -19,6 +21,11 @@ def save_paths(run_dir: str, step: int, tag: str) -> tuple[str, str, str]:
     root = os.path.join(run_dir, CHECKPOINTS)
     final = os.path.join(root, checkpoint_name(step))
     return root, final, f"{final}.tmp-{tag}"
+
+
+def already_saved(final: str) -> bool:
+    """`final` (a step_N dir) exists and verifies: a save of that step is skipped."""
+    return os.path.isdir(final) and is_valid_checkpoint(final)
 
 
 def remove_dir(path: str, tag: str) -> None:
@@ -45,11 +52,13 @@ def publish(tmp: str, final: str, run_dir: str, state: dict, keep: int, tag: str
     """Write state.json and the manifest into the complete `tmp`, rename it to `final`, prune to `keep`."""
     root = os.path.dirname(final)
     write_json(os.path.join(tmp, STATE), state)
-    files = {rel: {"sha256": sha256_and_sync(os.path.join(tmp, rel)),
-                   "bytes": os.path.getsize(os.path.join(tmp, rel))} for rel in files_under(tmp)}
+    files = describe_files(tmp)
     write_json(os.path.join(tmp, MANIFEST), {"format": state["format"], "step": state["step"], "files": files})
     fsync_dir(tmp)
-    if os.path.exists(final):  # re-saving a step (e.g. a resumed run): replace it only once ours is complete
+    if os.path.exists(final):
+        # a step_N that does not verify (a valid one is never re-saved: the engines skip the save). A kill
+        # between these two renames leaves our complete tmp dir, which the next resume publishes
+        # (nagmoe.checkpoint.resume.recover_unfinished).
         remove_dir(final, tag)
     os.rename(tmp, final)
     fsync_dir(root)

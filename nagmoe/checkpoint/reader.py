@@ -18,10 +18,12 @@ def checkpoint_format(path: str):
         raise UserError(f"checkpoint {path}: unreadable state.json ({type(e).__name__})") from None
 
 
-def load_model_weights(path: str, model: nn.Module) -> dict:
+def load_model_weights(path: str, model: nn.Module, verified: bool = False) -> dict:
     """Load the full model state of checkpoint `path` (any engine) into the single-device `model`; return
-    the checkpoint's extra state with "step" set. No RNG is restored, no optimizer state is read."""
-    verify_checkpoint(path)
+    the checkpoint's extra state with "step" set. No RNG is restored, no optimizer state is read. The
+    manifest is verified first unless the caller just did (`verified`, e.g. from latest_valid_checkpoint)."""
+    if not verified:
+        verify_checkpoint(path)
     if checkpoint_format(path) == deepspeed_layout.FORMAT:
         model.load_state_dict(deepspeed_layout.deepspeed_model_state(path, verified=True))
         state = read_checkpoint_state(path)

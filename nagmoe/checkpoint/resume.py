@@ -5,43 +5,91 @@ import logging
 import os
 from typing import Optional
 
-from nagmoe.checkpoint.files import CHECKPOINTS, list_checkpoints, unfinished_writes, verify_checkpoint
+from nagmoe.checkpoint.files import (CHECKPOINTS, fsync_dir, is_valid_checkpoint, list_checkpoints, unfinished_writes,
+                                     verify_checkpoint)
+from nagmoe.checkpoint.publish import remove_dir
 from nagmoe.errors import UserError
+
+# What a run dir holds once a run has started: finding any of it with no valid checkpoint means a run would
+# be started over on top of another one's history.
+HISTORY_FILES = ("metrics.jsonl", "run_info.json", "summary.json")
 
 log = logging.getLogger("nagmoe.checkpoint")  # the package's one logger name
 
 
-def latest_valid_checkpoint(run_dir: str) -> Optional[str]:
-    """Newest checkpoint directory under RUN_DIR/checkpoints whose manifest verifies, or None. Each newer one
-    passed over is named in a warning: a published checkpoint that fails verification (corrupt, truncated,
-    incomplete) and a save that never finished (its temporary directory; the next save removes it)."""
-    chosen, chosen_step = None, -1
+def _newest_valid(run_dir: str) -> tuple[Optional[str], int]:
+    """(path, step) of the newest published checkpoint that verifies, (None, -1) if none; each newer one
+    that fails is named in a warning. Hashes only what it has to (newest first)."""
     for step, path in reversed(list_checkpoints(run_dir)):
         try:
             verify_checkpoint(path)
         except UserError as e:
             log.warning("skipping invalid checkpoint %s: %s", path, e)
             continue
-        chosen, chosen_step = path, step
-        break
+        return path, step
+    return None, -1
+
+
+def _warn_unfinished(run_dir: str, after_step: int) -> None:
     for step, path in unfinished_writes(run_dir):
-        if step > chosen_step:
+        if step > after_step:
             log.warning("skipping unfinished checkpoint %s: its save was interrupted", path)
+
+
+def latest_valid_checkpoint(run_dir: str) -> Optional[str]:
+    """Newest checkpoint directory under RUN_DIR/checkpoints whose manifest verifies, or None. Each newer one
+    passed over is named in a warning: a published checkpoint that fails verification (corrupt, truncated,
+    incomplete) and a save that never finished (its temporary directory)."""
+    chosen, step = _newest_valid(run_dir)
+    _warn_unfinished(run_dir, step)
     return chosen
 
 
-def resume_checkpoint(run_dir: str, force: bool = False) -> Optional[str]:
-    """The checkpoint a (re)started run resumes from: the latest valid one, or None for a fresh run.
+def recover_unfinished(run_dir: str, after_step: int) -> Optional[str]:
+    """Publish the newest complete temporary directory (its manifest verifies) of a step after `after_step`
+    (the newest valid checkpoint's): a save killed after its manifest but before its rename, e.g. between
+    moving an invalid step_N away and renaming the replacement in. `.del-` directories are never recovered.
+    Returns the path published, or None. Run before anything of the run dir (metrics) is truncated."""
+    for step, tmp in reversed(unfinished_writes(run_dir)):
+        if step <= after_step or not is_valid_checkpoint(tmp):
+            continue
+        final = os.path.join(os.path.dirname(tmp), os.path.basename(tmp).split(".tmp-")[0])
+        if os.path.exists(final):  # an invalid step_N (a valid one would not be older than the newest valid)
+            remove_dir(final, "recovery")
+        os.rename(tmp, final)
+        fsync_dir(os.path.dirname(final))
+        log.warning("recovered checkpoint %s from the complete save %s (interrupted before it was published)",
+                    final, tmp)
+        return final
+    return None
 
-    Refuses (UserError) when the run dir holds published checkpoints and none of them verifies: starting
-    over would silently replace the run (its first save prunes them as an abandoned timeline). `force`
-    starts over anyway."""
+
+def run_history(run_dir: str) -> list[str]:
+    """What of a started run the run dir holds: history files and checkpoint directories of any kind."""
+    found = [name for name in HISTORY_FILES if os.path.exists(os.path.join(run_dir, name))]
+    root = os.path.join(run_dir, CHECKPOINTS)
+    if os.path.isdir(root) and os.listdir(root):
+        found.append(f"{CHECKPOINTS}/ ({', '.join(sorted(os.listdir(root))[:3])}"
+                     f"{', ...' if len(os.listdir(root)) > 3 else ''})")
+    return found
+
+
+def resume_checkpoint(run_dir: str, force: bool = False) -> Optional[str]:
+    """The checkpoint a (re)started run resumes from (verified: load it with `verified=True`), or None for
+    a fresh run.
+
+    First publishes a complete save that was interrupted before its rename (`recover_unfinished`). Refuses
+    (UserError) when there is no valid checkpoint but the run dir holds a started run's history (metrics,
+    run_info, summary, checkpoint directories): starting over would truncate its metrics and its first save
+    would prune what is left. `force` starts over anyway."""
     if not os.path.isdir(run_dir):
         return None
-    latest = latest_valid_checkpoint(run_dir)
-    published = list_checkpoints(run_dir)
-    if latest is None and published and not force:
-        raise UserError(f"{os.path.join(run_dir, CHECKPOINTS)}: {len(published)} checkpoint(s), none is valid "
-                        "(warnings above name them); refusing to start the run over: restore or move them "
-                        "away, or pass --force")
+    latest, step = _newest_valid(run_dir)
+    latest = recover_unfinished(run_dir, step) or latest
+    _warn_unfinished(run_dir, step if latest is None else int(os.path.basename(latest).split("_")[1]))
+    history = run_history(run_dir) if latest is None else []
+    if history and not force:
+        raise UserError(f"{run_dir}: holds {', '.join(history)}; of its checkpoints none is valid (warnings "
+                        "above name any); refusing to start the run over: restore or move them away, or pass "
+                        "--force")
     return latest

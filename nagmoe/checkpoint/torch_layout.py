@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from nagmoe.checkpoint.files import read_checkpoint_state, verify_checkpoint
-from nagmoe.checkpoint.publish import publish, save_paths
+from nagmoe.checkpoint.publish import already_saved, publish, save_paths
 from nagmoe.checkpoint.rng import capture_rng_state, restore_rng_state
 from nagmoe.checkpoint.safe_dcp import safe_dcp_load
 from nagmoe.errors import UserError
@@ -155,6 +155,8 @@ def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizers=None,
     json.dumps(extra_state, allow_nan=False)  # fail on every rank before anything is written
     tag = str(_broadcast_from_rank0(os.getpid()))
     root, final, tmp = save_paths(run_dir, step, tag)
+    if _broadcast_from_rank0(already_saved(final) if _rank() == 0 else None):
+        return final  # this step is on disk and verifies: re-saving it could only open a window to lose it
     if _rank() == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -12,7 +12,7 @@ from nagmoe.commands.common import add_config_arguments, config_from_args
 def add_arguments(p):
     add_config_arguments(p)
     p.add_argument("--run-dir", default=None, help="run directory (default: runs/<config name>)")
-    p.add_argument("--force", action="store_true", help="resume even if the config differs")
+    p.add_argument("--force", action="store_true", help="resume even if the config differs; start over a run dir that has no valid checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

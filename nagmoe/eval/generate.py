@@ -49,7 +49,7 @@ def load_run(run_dir: str, device: str = "cpu") -> LoadedRun:
     _check_tokenizer_matches_data(cfg.data.data_dir, tok_path)
     tokenizer.encode_special_tokens = True  # as the training documents were encoded
     model = build_model(cfg.model)
-    load_model_weights(checkpoint, model)  # either engine's layout
+    load_model_weights(checkpoint, model, verified=True)  # either engine's layout; verified just above
     return LoadedRun(model.to(device).eval(), tokenizer, bos_id(tokenizer, tok_path), cfg, checkpoint)
 
 

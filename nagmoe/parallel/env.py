@@ -180,6 +180,8 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: Optional[flo
         return False
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # a hung or failed NCCL collective tears the process down (after the timeout) instead of hanging it
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     timeout = datetime.timedelta(seconds=dist_timeout_s() if timeout_s is None else timeout_s)
     backend = backend_for(device)
     if env.source == "torchrun":  # torchrun's rendezvous (it may own the store on MASTER_PORT already)
@@ -189,6 +191,15 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: Optional[flo
         dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
                                 rank=env.rank, world_size=env.world_size, timeout=timeout)
     return True
+
+
+def group_timeout() -> datetime.timedelta:
+    """The default process group's timeout (what `init_distributed` set), for the groups created after it."""
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cuda" if dist.get_backend() == "nccl" else "cpu"))
+        return backend.options._timeout
+    except (AttributeError, RuntimeError):  # another backend or torch version: the configured value
+        return datetime.timedelta(seconds=dist_timeout_s())
 
 
 def shutdown_distributed() -> None:

@@ -112,12 +112,21 @@ class ParallelMesh:
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise UserError(f"rank {rank}/{world_size} disagrees with the process group "
                             f"({dist.get_rank()}/{dist.get_world_size()})")
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
 
+        from nagmoe.parallel.env import group_timeout
+
+        # Every group gets the default group's timeout (NAGMOE_DIST_TIMEOUT_S): torch gives a new group its
+        # backend's default (30 min) instead, so a rank hung in an EP collective would hold the others that long.
+        timeout = group_timeout()
         ep = cfg.parallel.ep
-        mesh = init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("dp", "ep"))
-        ddp_group = dist.new_group(list(range(world_size)))
-        return cls(rank, world_size, local_rank, ep, mesh, mesh.get_group("ep"), mesh.get_group("dp"), ddp_group)
+        dp = world_size // ep
+        layout = torch.arange(world_size).view(dp, ep)  # rank = dp_rank * ep + ep_rank
+        ep_group, _ = dist.new_subgroups_by_enumeration(layout.tolist(), timeout=timeout)
+        dp_group, _ = dist.new_subgroups_by_enumeration(layout.t().tolist(), timeout=timeout)
+        ddp_group = dist.new_group(list(range(world_size)), timeout=timeout)
+        mesh = DeviceMesh.from_group([dp_group, ep_group], device_type, mesh=layout, mesh_dim_names=("dp", "ep"))
+        return cls(rank, world_size, local_rank, ep, mesh, ep_group, dp_group, ddp_group)
 
     @classmethod
     def from_process_group(cls, cfg: Config, device_type: str = "cpu") -> "ParallelMesh":

@@ -25,8 +25,10 @@ Integration (docs/decisions.md, "DeepSpeed engine"):
     Newton-Schulz on partition slices), so it would not give the torch engine's numbers.
   * Checkpoints: DeepSpeed's `save_checkpoint`/`load_checkpoint` in the shared run-dir layout (files listed
     in nagmoe.checkpoint.deepspeed_layout; published and verified as the torch engine's). Resume needs the
-    same world size, EP degree and ZeRO stage. DeepSpeed's loader unpickles (`torch.load(weights_only=False)`):
-    resume only from checkpoints you trust. `nagmoe.checkpoint.deepspeed_model_state(path)` reads the
+    same world size, EP degree and ZeRO stage. DeepSpeed's own loader unpickles (`torch.load(weights_only=False)`),
+    so its checkpoint engine is wrapped (`PlainDataCheckpointEngine`): every file it loads is read with
+    `weights_only=True` plus DeepSpeed's three plain classes, and a refusal is one line naming the file and
+    the global. `nagmoe.checkpoint.deepspeed_model_state(path)` reads the
     whole model (every expert) in one process without unpickling: eval, generate, analyze and consolidate
     read a DeepSpeed run through it.
 On CPU, DeepSpeed runs with DS_ACCELERATOR=cpu and gloo; its communication backend JIT-builds a small C++ op
@@ -44,9 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nagmoe.checkpoint.deepspeed_layout import FORMAT, check_deepspeed_state, read_own_state, write_own_state
+from nagmoe.checkpoint.deepspeed_layout import (FORMAT, check_deepspeed_state, load_deepspeed_file, read_own_state,
+                                                write_own_state)
 from nagmoe.checkpoint.files import verify_checkpoint
-from nagmoe.checkpoint.publish import publish, save_paths
+from nagmoe.checkpoint.publish import already_saved, publish, save_paths
 from nagmoe.checkpoint.rng import capture_rng_state, restore_rng_state
 from nagmoe.errors import UserError
 from nagmoe.model.roles import ROLES, param_roles
@@ -135,6 +138,20 @@ def import_deepspeed(device: torch.device):
     return deepspeed
 
 
+class PlainDataCheckpointEngine:
+    """DeepSpeed's checkpoint engine with `load` replaced: `weights_only=True` (+ DeepSpeed's plain classes)
+    instead of DeepSpeed's unpickling `torch.load`. Saving and everything else is DeepSpeed's."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def load(self, path: str, map_location=None):
+        return load_deepspeed_file(path, map_location)
+
+
 def _free_port() -> int:
     import socket
 
@@ -181,6 +198,7 @@ class DeepSpeedEngine:
         dense_numel = sum(p.numel() for p in self.view.parameters())
         self.ds_config = self.deepspeed_config(cfg, micro_rows, accum, dist.get_world_size(), dense_numel)
         self.ds, _, _, _ = deepspeed.initialize(model=self.view, optimizer=self.dense_optim, config=self.ds_config)
+        self.ds.checkpoint_engine = PlainDataCheckpointEngine(self.ds.checkpoint_engine)  # no unpickling at load
         self._wrap_global_norm()
         self.last_grad_norm: Optional[float] = None
 
@@ -329,6 +347,8 @@ class DeepSpeedEngine:
         rank = dist.get_rank()
         tag = str(self.mesh.broadcast(os.getpid()))
         root, final, tmp = save_paths(run_dir, step, tag)
+        if self.mesh.broadcast(already_saved(final) if rank == 0 else None):
+            return final  # on disk and valid: never replaced (nagmoe.checkpoint.publish)
         if rank == 0:
             os.makedirs(root, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -344,11 +364,11 @@ class DeepSpeedEngine:
         dist.barrier()
         return final
 
-    def load_checkpoint(self, path: str, restore_rng: bool = True) -> dict:
+    def load_checkpoint(self, path: str, restore_rng: bool = True, verified: bool = False) -> dict:
         """Verify the manifest (rank 0), check the layout, load through DeepSpeed and our per-rank file;
-        return the extra state with "step" set. Trusted checkpoints only (DeepSpeed unpickles)."""
+        return the extra state with "step" set. Every file is read as plain data (PlainDataCheckpointEngine)."""
         error = None
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and not verified:  # `verified`: the caller just did (one hash pass per load)
             try:
                 verify_checkpoint(path)
             except UserError as e:

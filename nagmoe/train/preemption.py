@@ -12,8 +12,9 @@ local view and they agree by an all-reduce MAX, so all ranks stop at the same st
 them saw the signal or the file. `stop()` then saves a checkpoint (collective), rank 0 writes the marker
 `RUN_DIR/preempted.json` (step, checkpoint, reason) and consumes the request file, and every rank raises
 `Preempted`: a `SystemExit` with code 75 (EX_TEMPFAIL, "try again"), or 0 under torchrun, which would report
-any other worker code as a crash. The batch script requeues the job when the marker exists (the marker, not
-an exit code, is the signal); a trainer started again resumes from that checkpoint and drops the marker.
+any other worker code as a crash. After a USR1 the batch script requeues the job unless the run finished
+(summary.json), whether or not it sees the marker; a trainer started again resumes from that checkpoint and
+drops the marker.
 """
 from __future__ import annotations
 
@@ -94,6 +95,16 @@ def request_stop(run_dir: str, reason: str = "request") -> str:
     return path
 
 
+MARKER_DELAY_ENV = "NAGMOE_TEST_MARKER_DELAY_S"
+
+
+def _marker_delayed_for_a_test() -> bool:
+    """Test hook (tests/slurm): with NAGMOE_TEST_MARKER_DELAY_S set, the marker is not written before this
+    process exits, as when it is written on another node and the batch script's NFS client does not see it
+    yet, or when the save outlasts the signal window. The batch script must requeue regardless."""
+    return bool(os.environ.get(MARKER_DELAY_ENV))
+
+
 class PreemptionWatch:
     """Watches for a stop request during `Trainer.run`: `install()` before the loop, `requested()` at each
     step boundary, `stop(checkpoint_fn, step)` when it says so, `uninstall()` in a finally."""
@@ -140,7 +151,7 @@ class PreemptionWatch:
         rank. The barrier keeps all ranks alive until the marker exists: under torchrun the first rank to
         exit makes the agent stop the others."""
         path = checkpoint_fn()
-        if self.rank == 0:
+        if self.rank == 0 and not _marker_delayed_for_a_test():
             marker = {"step": step, "checkpoint": path, "reason": self.local_reason() or "another rank",
                       "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                       "slurm_job_id": os.environ.get("SLURM_JOB_ID"),

@@ -140,8 +140,10 @@ class Trainer:
         self.token_bytes = token_bytes(cfg.data.data_dir)
         self.progress = Progress()
         if latest is not None:
-            state = (self.engine.load_checkpoint(latest) if self.engine is not None
-                     else load_checkpoint(latest, self.model, self.optim, shard_plan=self.shard_plan))
+            started = time.perf_counter()  # `latest` was verified by resume_checkpoint: one hash pass per load
+            state = (self.engine.load_checkpoint(latest, verified=True) if self.engine is not None
+                     else load_checkpoint(latest, self.model, self.optim, shard_plan=self.shard_plan, verified=True))
+            self._log(f"loaded {latest} in {time.perf_counter() - started:.1f} s")
             self.progress = Progress(**state["progress"])
             self.loader.load_state_dict(state["loader"])
             self._log(f"resumed from {latest} at step {self.progress.step}")
@@ -364,11 +366,15 @@ class Trainer:
     def checkpoint(self) -> str:
         state = {"step": self.progress.step, "progress": self.progress.as_dict(),
                  "loader": self.loader.state_dict()}
+        started = time.perf_counter()
         if self.engine is not None:
-            return self.engine.save_checkpoint(self.run_dir, self.progress.step, state,
+            path = self.engine.save_checkpoint(self.run_dir, self.progress.step, state,
                                                keep=self.cfg.train.keep_checkpoints)
-        return save_checkpoint(self.run_dir, self.progress.step, self.model, self.optim, state,
-                               keep=self.cfg.train.keep_checkpoints, shard_plan=self.shard_plan)
+        else:
+            path = save_checkpoint(self.run_dir, self.progress.step, self.model, self.optim, state,
+                                   keep=self.cfg.train.keep_checkpoints, shard_plan=self.shard_plan)
+        self._log(f"checkpoint {path} in {time.perf_counter() - started:.1f} s")
+        return path
 
     def run(self) -> dict:
         t = self.cfg.train

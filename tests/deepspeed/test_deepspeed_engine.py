@@ -324,10 +324,11 @@ def test_every_reader_command_reads_a_deepspeed_run_like_a_torch_run(session, tm
                                  "--seed", "3"], capsys)
         run_command(["analyze", "--run-dir", run_dir, "--out", analysis_json, "--tokens", "512"], capsys)
         consolidated = run_command(["consolidate", run_dir], capsys).strip()
+        where = ("run_dir", "checkpoint")  # the only fields allowed to differ: which run was read
         with open(eval_json) as f:
-            evaluation = json.load(f)
+            evaluation = {k: v for k, v in json.load(f).items() if k not in where}
         with open(analysis_json) as f:
-            analysis = {k: v for k, v in json.load(f).items() if k not in ("run_dir", "checkpoint")}
+            analysis = {k: v for k, v in json.load(f).items() if k not in where}
         _, weights = load_consolidated(consolidated)
         out[name] = (evaluation, generated, analysis, weights)
     (ds_eval, ds_text, ds_analysis, ds_weights), (t_eval, t_text, t_analysis, t_weights) = out["deepspeed"], out["torch"]
@@ -391,3 +392,63 @@ def test_muon_request_is_refused_on_deepspeed():
         validate_parallel(cfg, 1)
     cfg.parallel.engine = "torch"
     validate_parallel(cfg, 1)  # the torch engine runs Muon
+
+
+class ShellPayload:
+    """Unpickling this runs `touch MARKER` (what a crafted DeepSpeed file would do through DeepSpeed's loader)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def plant_payload(checkpoint: str, file_name: str, marker: str) -> None:
+    """Add a payload to one of DeepSpeed's files and re-record its checksum (anyone can)."""
+    import hashlib
+
+    from nagmoe.checkpoint.deepspeed_layout import load_deepspeed_file
+
+    path = os.path.join(checkpoint, file_name)
+    state = load_deepspeed_file(path)
+    state["extra"] = ShellPayload(marker)
+    torch.save(state, path)
+    with open(os.path.join(checkpoint, "manifest.json")) as f:
+        manifest = json.load(f)
+    with open(path, "rb") as f:
+        data = f.read()
+    manifest["files"][file_name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    with open(os.path.join(checkpoint, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+
+
+@requires_deepspeed
+def test_a_payload_in_deepspeeds_files_is_refused_on_resume(micro_overrides, ds_env, tmp_path):
+    """Issue 21: every file DeepSpeed loads goes through weights_only (our checkpoint engine), so a payload in
+    the model-states or in a ZeRO optimizer file is refused by `nagmoe train` (resume) with one line naming
+    the file and the global, and nothing runs; `nagmoe eval` refuses the model-states one too."""
+    import shutil
+
+    from nagmoe.checkpoint import latest_valid_checkpoint
+
+    template = str(tmp_path / "run")
+    args = ["--config", "configs/tiny.yaml", "--quiet", *micro_overrides, "train.eval_tokens=256",
+            "parallel.engine=deepspeed", "train.optimizer=adamw"]
+    r = nagmoe_cli(["train", "--run-dir", template, *args, "train.max_steps=2"], ds_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for file_name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        run_dir, marker = str(tmp_path / file_name), str(tmp_path / f"{file_name}.PWNED")
+        shutil.copytree(template, run_dir)
+        checkpoint = latest_valid_checkpoint(run_dir)
+        plant_payload(checkpoint, file_name, marker)
+        commands = [["train", "--run-dir", run_dir, *args, "train.max_steps=3"]]
+        if file_name.startswith("mp_rank"):
+            commands.append(["eval", "--run-dir", run_dir, "--offline-items", "4"])
+        for command in commands:
+            r = nagmoe_cli(command, ds_env)
+            errors = [line for line in r.stderr.splitlines() if line.startswith(f"nagmoe {command[0]}: error:")]
+            assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+            assert len(errors) == 1 and os.path.join(checkpoint, file_name) in errors[0] \
+                and "posix.system" in errors[0], r.stderr[-3000:]
+            assert not os.path.exists(marker)

@@ -4,7 +4,7 @@
 torch and nagmoe imported, no process group of its own); each sets the launcher's
 variables (torchrun style RANK/WORLD_SIZE/LOCAL_RANK, or Slurm style SLURM_PROCID/SLURM_NTASKS/
 SLURM_LOCALID with SLURM_JOB_NODELIST), initialises the process group with `nagmoe.parallel.env`, calls
-`fn(*args)` and sends back its (picklable, tensor-free) result. Returns the results by rank. A failing rank
+`fn(*args)` and sends back its (picklable, tensor-free) result; `pg_timeout_s` is the process group's timeout. Returns the results by rank. A failing rank
 fails the call at once with its traceback (the others are killed rather than left hanging); a hang fails
 after `timeout` seconds.
 """
@@ -28,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, style, args, results):
+def _child(fn, rank, world_size, port, style, args, results, pg_timeout_s):
     for name in LAUNCH_VARS:
         os.environ.pop(name, None)
     if style == "slurm":
@@ -45,7 +45,7 @@ def _child(fn, rank, world_size, port, style, args, results):
 
         env = read_dist_env()
         assert env.rank == rank and env.world_size == world_size and env.source == style, env
-        init_distributed(env, torch.device("cpu"), timeout_s=120)
+        init_distributed(env, torch.device("cpu"), timeout_s=pg_timeout_s)
         try:
             out = fn(*args)
         finally:
@@ -63,11 +63,13 @@ def _context():
     return ctx
 
 
-def run_on_ranks(fn, world_size: int, *args, style: str = "torchrun", timeout: float = 180.0) -> list:
+def run_on_ranks(fn, world_size: int, *args, style: str = "torchrun", timeout: float = 180.0,
+                 pg_timeout_s: float = 120.0) -> list:
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, style, args, results), daemon=True)
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, style, args, results, pg_timeout_s),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -131,3 +131,45 @@ def test_torchrun_train_ep2_then_consolidate(micro_overrides, repo_root, tmp_pat
     assert model.blocks[0].ffn.w_in.shape[0] == cfg.model.moe.n_experts == 4
     with torch.no_grad():
         assert torch.isfinite(model(torch.zeros(1, 8, dtype=torch.long)).logits).all()
+
+
+def _wait_in_group(which: str, ep: int, repo_root: str, done_file: str):
+    """Rank 1 never joins; rank 0 all-reduces on one of the mesh's groups and reports how that ended."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from nagmoe.parallel.mesh import ParallelMesh
+
+    cfg = load_config(os.path.join(repo_root, "configs", "tiny.yaml"), [f"parallel.ep={ep}"])
+    mesh = ParallelMesh.build(cfg, dist.get_rank(), dist.get_world_size())
+    group = {"ep": mesh.ep_group, "dp": mesh.dp_group, "ddp": mesh.ddp_group}[which]
+    assert dist.get_world_size(group) == 2
+    if dist.get_rank() == 1:  # hung: alive, sockets open, never in the collective (until rank 0 is done)
+        deadline = time.monotonic() + 40
+        while not os.path.exists(done_file) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return "slept"
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+        outcome = "completed"
+    except Exception:  # gloo: "Timed out waiting ..."
+        outcome = "raised"
+    seconds = time.monotonic() - started
+    open(done_file, "w").close()
+    return outcome, seconds
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("which,ep", [("ep", 2), ("dp", 1), ("ddp", 2)])
+def test_every_mesh_group_gets_the_process_group_timeout(which, ep, repo_root, tmp_path):
+    """Issue 21: NAGMOE_DIST_TIMEOUT_S (here the 4 s given to init_process_group) bounds a collective on the EP,
+    DP and DDP groups too, not only on the default group (torch gives new groups 30 min by default)."""
+    from gloo_ranks import run_on_ranks
+
+    results = run_on_ranks(_wait_in_group, 2, which, ep, repo_root, str(tmp_path / "done"), pg_timeout_s=4.0,
+                           timeout=120)
+    outcome, seconds = results[0]
+    assert outcome == "raised" and 3.0 <= seconds < 20, results[0]

@@ -2,24 +2,31 @@
 
     python crash_driver.py POINT STEP READY_FILE -- [nagmoe train arguments]
 
-Runs the real CLI in this process. While the save of checkpoint STEP is under way and reaches POINT, the
-process writes its pid to READY_FILE and sleeps until it is killed. Nothing else changes: the wrappers call
-the real functions of nagmoe.checkpoint's torch_layout and publish modules (looked up by name at call time,
-which is why patching those modules' attributes reaches them). Points, in the order a save passes them:
+Runs the real CLI in this process, on either engine. While the save of checkpoint STEP is under way (its
+`step_N.tmp-*` directory exists) and reaches POINT, the process writes its pid to READY_FILE and sleeps until
+it is killed. Nothing else changes: the wrappers call the real functions, patched into the modules that look
+them up at call time (nagmoe.checkpoint.publish, and the engine's save: nagmoe.checkpoint.torch_layout or
+nagmoe.train.deepspeed_engine). Points, in the order a save passes them:
 
-  tensors_written  DCP has written the tensor files; no state.json, no manifest, not published
+  tensors_written  the engine has written its tensor files; no state.json, no manifest, not published
   before_publish   the tmp dir is complete (manifest fsynced) but not yet renamed to step_N
+  mid_replace      re-save over an invalid step_N only: that step_N was moved out of the step_* namespace,
+                   the complete tmp dir is not yet renamed in
   before_prune     step_N is published; older checkpoints are not pruned yet
   mid_prune        an older checkpoint was renamed out of the step_* namespace but not yet deleted
 """
+import glob
 import os
 import sys
 import time
 
-from nagmoe.checkpoint import publish as pub, torch_layout as ckpt
-from nagmoe.checkpoint.files import checkpoint_name
+from nagmoe.checkpoint import publish as pub, torch_layout
+from nagmoe.checkpoint.files import CHECKPOINTS, checkpoint_name
 
-POINTS = ("tensors_written", "before_publish", "before_prune", "mid_prune")
+POINTS = ("tensors_written", "before_publish", "mid_replace", "before_prune", "mid_prune")
+FIRST_SAVE_POINTS = tuple(p for p in POINTS if p != "mid_replace")  # a first save replaces nothing
+# a re-save over an invalid step with keep_checkpoints=2 (checkpoints 10 and 20) prunes nothing
+RESAVE_POINTS = tuple(p for p in POINTS if p != "mid_prune")
 
 
 def _freeze(ready_file: str) -> None:
@@ -30,32 +37,42 @@ def _freeze(ready_file: str) -> None:
         time.sleep(60)
 
 
-def install(point: str, step: int, ready_file: str) -> None:
+def install(point: str, step: int, ready_file: str, run_dir: str) -> None:
+    from nagmoe.train import deepspeed_engine
+
     name = checkpoint_name(step)
-    saving = {"target": False}  # inside the save of checkpoint `step`
 
-    real_dcp, real_rng, real_fsync_dir = ckpt._dcp, ckpt.capture_rng_state, pub.fsync_dir
-    real_prune, real_shutil = pub.prune, pub.shutil
+    def saving_target() -> bool:  # inside the save of checkpoint `step` (its tmp dir exists)
+        return bool(glob.glob(os.path.join(run_dir, CHECKPOINTS, name + ".tmp-*")))
 
-    def dcp(fn, state, path):
-        if fn is ckpt.dcp.save:
-            saving["target"] = os.path.basename(path).startswith(name + ".tmp-")
-        return real_dcp(fn, state, path)
+    real_rng = torch_layout.capture_rng_state
+    real_fsync_dir, real_remove_dir, real_prune, real_shutil = pub.fsync_dir, pub.remove_dir, pub.prune, pub.shutil
 
-    def capture_rng_state():
-        if point == "tensors_written" and saving["target"]:
+    def capture_rng_state():  # both engines capture the RNG right after their tensor files are written
+        if point == "tensors_written" and saving_target():
             _freeze(ready_file)
         return real_rng()
 
     def fsync_dir(path):
         real_fsync_dir(path)
-        if point == "before_publish" and saving["target"] and ".tmp-" in os.path.basename(path):
+        if point == "before_publish" and os.path.basename(path).startswith(name + ".tmp-"):
             _freeze(ready_file)
 
-    def prune(root, run_dir, new_step, keep, tag):
+    def remove_dir(path, tag):
+        real_remove_dir(path, tag)
+        if point == "mid_replace" and os.path.basename(path) == name and saving_target():
+            _freeze(ready_file)
+
+    pruning = {"target": False}  # inside the prune that ends the save of checkpoint `step`
+
+    def prune(root, run_dir_, new_step, keep, tag):
         if point == "before_prune" and new_step == step:
             _freeze(ready_file)
-        return real_prune(root, run_dir, new_step, keep, tag)
+        pruning["target"] = new_step == step
+        try:
+            return real_prune(root, run_dir_, new_step, keep, tag)
+        finally:
+            pruning["target"] = False
 
     class Shutil:  # the module's `shutil`, with an rmtree that stops before deleting a renamed-out checkpoint
         def __getattr__(self, attr):
@@ -63,19 +80,20 @@ def install(point: str, step: int, ready_file: str) -> None:
 
         @staticmethod
         def rmtree(path, *args, **kwargs):
-            if point == "mid_prune" and saving["target"] and ".del-" in os.path.basename(path):
+            if point == "mid_prune" and ".del-" in os.path.basename(path) and pruning["target"]:
                 _freeze(ready_file)
             return real_shutil.rmtree(path, *args, **kwargs)
 
-    ckpt._dcp, ckpt.capture_rng_state = dcp, capture_rng_state
-    pub.fsync_dir, pub.prune, pub.shutil = fsync_dir, prune, Shutil()
+    torch_layout.capture_rng_state = deepspeed_engine.capture_rng_state = capture_rng_state
+    pub.fsync_dir, pub.remove_dir, pub.prune, pub.shutil = fsync_dir, remove_dir, prune, Shutil()
 
 
 def main(argv: list[str]) -> int:
     point, step, ready_file, sep, *train_args = argv
-    if point not in POINTS or sep != "--":
-        raise SystemExit(f"usage: crash_driver.py {{{'|'.join(POINTS)}}} STEP READY_FILE -- TRAIN_ARGS")
-    install(point, int(step), ready_file)
+    if point not in POINTS or sep != "--" or "--run-dir" not in train_args:
+        raise SystemExit(f"usage: crash_driver.py {{{'|'.join(POINTS)}}} STEP READY_FILE -- TRAIN_ARGS "
+                         "(with --run-dir)")
+    install(point, int(step), ready_file, train_args[train_args.index("--run-dir") + 1])
     from nagmoe.cli import main as nagmoe_main
 
     return nagmoe_main(["train", *train_args])

@@ -1,8 +1,10 @@
 """kill -9 inside a checkpoint write, and corrupt or partial checkpoints on disk.
 
 A killed save never damages what was there before: until the rename that publishes it, a save lives in a
-tmp dir that resume ignores (with a warning naming it), and older checkpoints are pruned only after the new
-one is published. A published checkpoint that fails its manifest (sha256 and size of every file, checked
+tmp dir that resume ignores (with a warning naming it) unless it is complete and newer than every valid
+checkpoint, when resume publishes it; older checkpoints are pruned only after the new one is published; a
+valid step is never saved again, and an invalid one is replaced so that a kill at any point of the
+replacement leaves a complete copy (issue 21). A published checkpoint that fails its manifest (sha256 and size of every file, checked
 before anything is loaded) is skipped with a warning naming it. Either way the resumed run reproduces the
 uninterrupted reference bit for bit; and a run dir whose checkpoints are all invalid is not silently
 restarted from scratch.
@@ -16,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from crash_driver import POINTS
+from crash_driver import FIRST_SAVE_POINTS, RESAVE_POINTS
 from nagmoe.errors import UserError
 from nagmoe.checkpoint import MANIFEST, STATE, latest_valid_checkpoint, save_checkpoint
 from reliability_harness import (
@@ -36,8 +38,10 @@ from reliability_harness import (
 )
 
 KILLED_SAVE = 20  # the save the process is frozen in; the one before it is step 10
-# where a resume must start after a kill at each point of the step-20 save
-RESUMES_FROM = {"tensors_written": 10, "before_publish": 10, "before_prune": 20, "mid_prune": 20}
+# the newest valid checkpoint on disk after a kill at each point of the step-20 save, and where the resume
+# starts (a complete tmp dir newer than it is published by the resume)
+VALID_ON_DISK = {"tensors_written": 10, "before_publish": 10, "mid_replace": 10, "before_prune": 20, "mid_prune": 20}
+RESUMES_FROM = {"tensors_written": 10, "before_publish": 20, "mid_replace": 20, "before_prune": 20, "mid_prune": 20}
 
 
 def flip_byte(path: str) -> None:
@@ -58,11 +62,10 @@ def crash_config(config_file):
     return config_file("crash", *SHORT, "train.keep_checkpoints=1")
 
 
-@pytest.mark.parametrize("point", POINTS)
-def test_kill_9_inside_a_checkpoint_write_resumes_from_an_intact_checkpoint(point, crash_config, reference,
-                                                                           tmp_path):
-    run_dir, ready = str(tmp_path / "run"), str(tmp_path / "frozen")
-    argv = [sys.executable, CRASH_DRIVER, point, str(KILLED_SAVE), ready, "--", *train_args(crash_config, run_dir)]
+def kill_inside_save(point: str, config: str, run_dir: str, tmp_path) -> None:
+    """Train with the crash driver until the save of KILLED_SAVE reaches `point`, then SIGKILL."""
+    ready = str(tmp_path / "frozen")
+    argv = [sys.executable, CRASH_DRIVER, point, str(KILLED_SAVE), ready, "--", *train_args(config, run_dir)]
     proc = start(argv, tmp_path / "crashed.log")
     try:
         wait_for(lambda: os.path.exists(ready), 120, f"the save of step {KILLED_SAVE} to reach {point}", [proc])
@@ -71,21 +74,77 @@ def test_kill_9_inside_a_checkpoint_write_resumes_from_an_intact_checkpoint(poin
     finally:
         stop_all([proc])
     assert proc.returncode == -9, read_log(tmp_path / "crashed.log")
+
+
+def resume_after_kill(point: str, config: str, run_dir: str, reference) -> None:
+    """The restart after a kill at `point`: starts where it must, continues exactly, metrics intact."""
     on_disk = checkpoint_steps(run_dir)
-    expected_start = RESUMES_FROM[point]
-    assert latest_valid_checkpoint(run_dir).endswith(f"step_{expected_start:06d}"), on_disk
-    if expected_start == 10:  # the earlier checkpoint survived the killed save untouched
+    assert latest_valid_checkpoint(run_dir).endswith(f"step_{VALID_ON_DISK[point]:06d}"), on_disk
+    if VALID_ON_DISK[point] == 10:  # the earlier checkpoint survived the killed save untouched
         assert "step_000010" in on_disk and any(name.startswith("step_000020.tmp-") for name in on_disk)
 
-    resumed = run_trainer(crash_config, run_dir)
+    resumed = run_trainer(config, run_dir)
     assert resumed.returncode == 0, resumed.stderr
-    if expected_start == 10:
-        unfinished = next(name for name in on_disk if ".tmp-" in name)
-        assert f"skipping unfinished checkpoint {os.path.join(run_dir, 'checkpoints', unfinished)}" in resumed.stderr
+    unfinished = [os.path.join(run_dir, "checkpoints", name) for name in on_disk if ".tmp-" in name]
+    if RESUMES_FROM[point] != VALID_ON_DISK[point]:
+        assert f"recovered checkpoint {os.path.join(run_dir, 'checkpoints', 'step_000020')} from the complete " \
+               f"save {unfinished[0]}" in resumed.stderr
+    elif VALID_ON_DISK[point] == 10:
+        assert f"skipping unfinished checkpoint {unfinished[0]}" in resumed.stderr
+    with open(os.path.join(run_dir, "run_info.json")) as f:
+        started_from = json.load(f)["resumed_from"]
+    assert started_from == os.path.join(run_dir, "checkpoints", f"step_{RESUMES_FROM[point]:06d}")
     assert logged_steps(run_dir) == list(range(1, SHORT_STEPS + 1))  # each step once
     assert comparable(records(run_dir), drop=("tokens_per_s", "val_bpb")) == \
         comparable(reference.records, upto=SHORT_STEPS, drop=("tokens_per_s", "val_bpb"))
+
+
+@pytest.mark.parametrize("point", FIRST_SAVE_POINTS)
+def test_kill_9_inside_a_checkpoint_write_resumes_from_an_intact_checkpoint(point, crash_config, reference,
+                                                                           tmp_path):
+    run_dir = str(tmp_path / "run")
+    kill_inside_save(point, crash_config, run_dir, tmp_path)
+    resume_after_kill(point, crash_config, run_dir, reference)
     assert checkpoint_steps(run_dir) == [f"step_{SHORT_STEPS:06d}"]  # keep=1, leftovers of the kill removed
+
+
+@pytest.fixture(scope="module")
+def resave_run(config_file, tmp_path_factory):
+    """(config, run dir) trained to step 20 with checkpoints at 10 and 20, step_000020 then corrupted: the
+    next run resumes from 10 and must save step 20 again over the invalid copy."""
+    config = config_file("resave", *SHORT, "train.keep_checkpoints=2")
+    run_dir = str(tmp_path_factory.mktemp("resave") / "run")
+    done = run_trainer(config, run_dir, "train.max_steps=20")
+    assert done.returncode == 0, done.stderr
+    flip_byte(tensor_file(os.path.join(run_dir, "checkpoints", "step_000020")))
+    return config, run_dir
+
+
+@pytest.mark.parametrize("point", RESAVE_POINTS)
+def test_kill_9_at_every_point_of_a_resave_leaves_a_checkpoint_to_continue_from(point, resave_run, reference,
+                                                                              tmp_path):
+    config, template = resave_run
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(template, run_dir)
+    kill_inside_save(point, config, run_dir, tmp_path)
+    resume_after_kill(point, config, run_dir, reference)
+    assert checkpoint_steps(run_dir) == ["step_000020", f"step_{SHORT_STEPS:06d}"]  # keep=2
+
+
+def test_a_valid_step_is_never_saved_again(tmp_path):
+    """A second save of a step that is on disk and verifies writes nothing and removes nothing: no window in
+    which a kill could leave no copy (the preemption-right-after-a-checkpoint and resume cases)."""
+    model = torch.nn.Linear(3, 3)
+    first = save_checkpoint(str(tmp_path), 1, model)
+    inode, files = os.stat(first).st_ino, sorted(os.listdir(first))
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    again = save_checkpoint(str(tmp_path), 1, model)
+    assert again == first and os.stat(first).st_ino == inode and sorted(os.listdir(first)) == files
+    assert os.listdir(os.path.join(tmp_path, "checkpoints")) == ["step_000001"]
+    flip_byte(tensor_file(first))  # an invalid copy is replaced
+    save_checkpoint(str(tmp_path), 1, model)
+    assert latest_valid_checkpoint(str(tmp_path)) == first and os.stat(first).st_ino != inode
 
 
 def test_corrupt_newest_checkpoint_is_skipped_with_a_warning_and_resume_is_exact(reference, tmp_path):

@@ -51,7 +51,16 @@ def test_three_seeded_kills_leave_the_run_bitwise_identical(reference, tmp_path)
     moments = kill_moments(SEED)
     killed_at = []  # the last step logged before each kill
     for i, (step, delay) in enumerate(moments):
-        proc = start(nagmoe_train(*train_args(reference.config, run_dir)), tmp_path / f"life{i}.log")
+        args = train_args(reference.config, run_dir)
+        if i and latest_valid_checkpoint(run_dir) is None:  # killed before the first checkpoint (issue 21)
+            with open(metrics_path(run_dir), "rb") as f:
+                history = f.read()
+            refused = run_trainer(reference.config, run_dir)  # never starts over silently ...
+            assert refused.returncode == 2 and "metrics.jsonl" in refused.stderr and "--force" in refused.stderr
+            with open(metrics_path(run_dir), "rb") as f:
+                assert f.read() == history  # ... and its metrics survive the refusal
+            args.append("--force")  # what the operator then does
+        proc = start(nagmoe_train(*args), tmp_path / f"life{i}.log")
         try:
             # a step after the last kill can only have been logged by this process
             target = max([step, *(k + 1 for k in killed_at)])

@@ -96,7 +96,9 @@ class LocalSlurm:
         self.conf = os.path.join(self.root, "slurm.conf")
         env = {k: v for k, v in os.environ.items() if not LEAKY_ENV.match(k)}
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", ""), *SBIN_DIRS])
-        env.update(SLURM_CONF=self.conf, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        # NAGMOE_REQUEUE_POLL_S: how long a preempted batch script looks for summary.json before requeueing
+        # (60 s on a cluster for NFS caches; here the run dir is local)
+        env.update(SLURM_CONF=self.conf, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", NAGMOE_REQUEUE_POLL_S="4")
         self.env = env
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -141,14 +143,15 @@ class LocalSlurm:
                 os.kill(pid, signal.SIGKILL)
 
     # -- clients ---------------------------------------------------------------------------------------
-    def run(self, *cmd, check=True, timeout=60):
-        out = subprocess.run([str(c) for c in cmd], env=self.env, capture_output=True, text=True, timeout=timeout)
+    def run(self, *cmd, check=True, timeout=60, env=None):
+        out = subprocess.run([str(c) for c in cmd], env={**self.env, **(env or {})}, capture_output=True, text=True,
+                             timeout=timeout)
         if check and out.returncode != 0:
             pytest.fail(f"{' '.join(map(str, cmd))} failed ({out.returncode}): {out.stderr.strip()}")
         return out
 
-    def nagmoe(self, *args, check=True, timeout=120):
-        return self.run(sys.executable, "-m", "nagmoe", *args, check=check, timeout=timeout)
+    def nagmoe(self, *args, check=True, timeout=120, env=None):
+        return self.run(sys.executable, "-m", "nagmoe", *args, check=check, timeout=timeout, env=env)
 
     def job(self, job_id):
         """`scontrol show job` as a dict (JobState, Restarts, ExitCode, ...); {} once the job is forgotten."""

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slurm
 CPU_MODE = ("--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2", "--time", "10")
 
 
-def submit(cluster, *args):
-    out = cluster.nagmoe("launch", "slurm", *args, "--submit")
+def submit(cluster, *args, env=None):
+    out = cluster.nagmoe("launch", "slurm", *args, "--submit", env=env)
     return out.stdout
 
 
@@ -71,6 +71,30 @@ def test_usr1_to_the_batch_shell_checkpoints_requeues_and_resumes(slurm_cluster,
     with open(os.path.join(run, "summary.json")) as f:
         assert json.load(f)["steps"] == steps
     assert not os.path.exists(os.path.join(run, "preempted.json"))
+
+
+def test_usr1_requeues_even_when_the_marker_never_becomes_visible(slurm_cluster, micro_yaml, tmp_path):
+    """Issue 21: the marker written by rank 0 may be invisible to the batch shell (another node's write behind an
+    NFS cache) or missing (a save slower than the signal window): the job is requeued anyway, because only
+    summary.json (a finished run) stops a requeue. The test hook keeps the trainer from writing the marker."""
+    steps = 400
+    run = str(tmp_path / "run")
+    config = micro_yaml(f"train.max_steps={steps}", f"train.schedule_steps={steps}")
+    job = job_id(submit(slurm_cluster, "--config", config, "--run-dir", run, *CPU_MODE,
+                        env={"NAGMOE_TEST_MARKER_DELAY_S": "3600"}))
+    log = os.path.join(run, "slurm", f"slurm-{job}.out")
+    wait_until(lambda: len(logged_steps(run)) >= 3 or slurm_cluster.job(job).get("JobState") in FINAL_STATES,
+               180, "three logged steps")
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", job)
+    wait_until(lambda: slurm_cluster.job(job).get("Restarts", "0") != "0", 120, "the job to be requeued")
+    info = slurm_cluster.wait_job(job, timeout=240, log=log)
+    assert info["Restarts"] == "1"
+    text = open(log).read()
+    assert "stopped with a checkpoint" not in text and "preempted: requeueing job" in text
+    with open(os.path.join(run, "run_info.json")) as f:
+        resumed_from = json.load(f)["resumed_from"]
+    assert resumed_from is not None  # the preemption checkpoint was saved; only the marker was missing
+    assert logged_steps(run) == list(range(1, steps + 1))  # every step exactly once
 
 
 def test_scancel_checkpoints_but_does_not_requeue(slurm_cluster, micro_yaml, tmp_path):

@@ -152,20 +152,25 @@ def test_corrupted_file_raises_user_error_naming_it_before_loading(saved):
 
 def test_keep_last_k_and_no_leftovers(tmp_path):
     model, bundle = _fresh(0)
-    for step in (1, 2, 3, 4):
+    for step in (2, 4, 6):
         _train_steps(model, bundle, 1, seed=step)
         save_checkpoint(str(tmp_path), step, model, bundle, {"tokens": step}, keep=2)
     root = tmp_path / "checkpoints"
-    assert sorted(os.listdir(root)) == ["step_000003", "step_000004"]
-    assert latest_valid_checkpoint(str(tmp_path)).endswith("step_000004")
-    # Resuming from step 3 and saving step 3 again replaces it; a later save drops the abandoned step 4.
-    load_checkpoint(str(root / "step_000003"), model, bundle)
-    save_checkpoint(str(tmp_path), 3, model, bundle, {"tokens": 33}, keep=2)
-    with open(root / "step_000003" / "state.json") as f:
-        assert json.load(f)["extra"] == {"tokens": 33}
-    assert sorted(os.listdir(root)) == ["step_000003"]
+    assert sorted(os.listdir(root)) == ["step_000004", "step_000006"]
+    assert latest_valid_checkpoint(str(tmp_path)).endswith("step_000006")
+    # Saving a step that is on disk and valid again writes nothing (issue 21: no window without a copy).
+    save_checkpoint(str(tmp_path), 4, model, bundle, {"tokens": 44}, keep=2)
+    with open(root / "step_000004" / "state.json") as f:
+        assert json.load(f)["extra"] == {"tokens": 4}
+    assert sorted(os.listdir(root)) == ["step_000004", "step_000006"]
+    # Step 6 invalid: a run resumed from step 4 that saves step 5 drops the abandoned step 6.
+    with open(root / "step_000006" / "state.json", "a") as f:
+        f.write(" ")
+    load_checkpoint(str(root / "step_000004"), model, bundle)
+    save_checkpoint(str(tmp_path), 5, model, bundle, {"tokens": 55}, keep=2)
+    assert sorted(os.listdir(root)) == ["step_000004", "step_000005"]
     with pytest.raises(UserError, match="keep_checkpoints"):
-        save_checkpoint(str(tmp_path), 5, model, bundle, {}, keep=0)
+        save_checkpoint(str(tmp_path), 7, model, bundle, {}, keep=0)
 
 
 def test_extra_state_must_be_json(tmp_path):
