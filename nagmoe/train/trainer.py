@@ -38,6 +38,7 @@ from nagmoe.parallel.expert_parallel import expert_shard_plan, shard_experts
 from nagmoe.parallel.grad_sync import clip_grad_norm_, named_params, sync_expert_grads, wrap_ddp
 from nagmoe.parallel.mesh import ParallelMesh
 from nagmoe.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from nagmoe.checkpoint.lease import RunDirLease
 from nagmoe.train.metrics import MetricsWriter, truncate_metrics
 from nagmoe.train.optim import build_optimizers
 from nagmoe.train.guards import (
@@ -110,60 +111,76 @@ class Trainer:
         self.accum = rank_rows // self.micro_rows
 
         self._check_data()
-        latest = mesh.on_rank0(lambda: resume_checkpoint(run_dir, force))  # refuses if none is valid
-        mesh.on_rank0(lambda: prepare_run_dir(run_dir, cfg, resuming=latest is not None, force=force))
+        # one trainer per run dir (nagmoe.checkpoint.lease), taken before anything in it is read or written
+        self.lease = None
+        mesh.on_rank0(lambda: self._take_lease(force))
+        try:
+            latest = mesh.on_rank0(lambda: resume_checkpoint(run_dir, force))  # refuses if none is valid
+            mesh.on_rank0(lambda: prepare_run_dir(run_dir, cfg, resuming=latest is not None, force=force))
 
-        torch.manual_seed(t.seed)
-        self.model = build_model(m).to(self.device)  # the full model on every rank (same seed, same init) ...
-        if getattr(t, "activation_checkpointing", False):  # nagmoe/train/speed.py
-            enable_activation_checkpointing(self.model)
-        if t.compile:
-            compile_model(self.model)
-        self.expert_names = shard_experts(self.model, mesh)  # ... then each EP rank keeps its experts
-        self.expert_params = named_params(self.model, self.expert_names)
-        self.shard_plan = expert_shard_plan(mesh, self.expert_names)
-        # parallel.engine=deepspeed: ZeRO for the replicated parameters, our EP and AdamW for the experts
-        self.engine = (DeepSpeedEngine(self.model, self.expert_names, mesh, cfg, self.micro_rows, self.accum)
-                       if cfg.parallel.engine == "deepspeed" else None)
-        if self.engine is not None:
-            self.optim = self.engine.optim
-        elif t.optimizer == "adamw":  # AdamW for every role: the DeepSpeed engine's optimizer, on torch
-            from nagmoe.train.deepspeed_engine import build_adamw_optimizers
+            torch.manual_seed(t.seed)
+            self.model = build_model(m).to(self.device)  # the full model on every rank (same seed, same init) ...
+            if getattr(t, "activation_checkpointing", False):  # nagmoe/train/speed.py
+                enable_activation_checkpointing(self.model)
+            if t.compile:
+                compile_model(self.model)
+            self.expert_names = shard_experts(self.model, mesh)  # ... then each EP rank keeps its experts
+            self.expert_params = named_params(self.model, self.expert_names)
+            self.shard_plan = expert_shard_plan(mesh, self.expert_names)
+            # parallel.engine=deepspeed: ZeRO for the replicated parameters, our EP and AdamW for the experts
+            self.engine = (DeepSpeedEngine(self.model, self.expert_names, mesh, cfg, self.micro_rows, self.accum)
+                           if cfg.parallel.engine == "deepspeed" else None)
+            if self.engine is not None:
+                self.optim = self.engine.optim
+            elif t.optimizer == "adamw":  # AdamW for every role: the DeepSpeed engine's optimizer, on torch
+                from nagmoe.train.deepspeed_engine import build_adamw_optimizers
 
-            self.optim = build_adamw_optimizers(self.model, t)
-        else:
-            self.optim = build_optimizers(self.model, t)
-        verify = cfg.data.verify_shards
-        self.loader = TokenLoader(cfg.data.data_dir, "train", seq, self.micro_rows, t.seed, rank, world_size,
-                                  verify=verify)
-        self.val_shards = TokenShards(cfg.data.data_dir, "val", verify=verify)
-        self.token_bytes = token_bytes(cfg.data.data_dir)
-        self.progress = Progress()
-        if latest is not None:
-            started = time.perf_counter()  # `latest` was verified by resume_checkpoint: one hash pass per load
-            state = (self.engine.load_checkpoint(latest, verified=True) if self.engine is not None
-                     else load_checkpoint(latest, self.model, self.optim, shard_plan=self.shard_plan, verified=True))
-            self._log(f"loaded {latest} in {time.perf_counter() - started:.1f} s")
-            self.progress = Progress(**state["progress"])
-            self.loader.load_state_dict(state["loader"])
-            self._log(f"resumed from {latest} at step {self.progress.step}")
-        if self.rank == 0:  # also from step 0: a run killed before its first checkpoint logged steps already
-            truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), self.progress.step)
-        # DDP for the replicated parameters (after the load: its start-up broadcast then changes nothing)
-        self.ddp = wrap_ddp(self.model, mesh, self.expert_names) if mesh.distributed and self.engine is None else None
-        self.replicated_params = [p for n, p in self.model.named_parameters() if n not in set(self.expert_names)]
-        self.backends = resolved_backends(self.model)
-        if self.rank == 0:
-            write_run_info(run_dir, self.backends, str(self.device),
-                           {"resumed_from": latest, "grad_accum": self.accum, "world_size": world_size,
-                            "ep": mesh.ep, "dp": mesh.dp, "engine": cfg.parallel.engine,
-                            **({"deepspeed": self.engine.describe()} if self.engine is not None else {})})
-        self._log(f"device {self.device}; backends: {self.backends}; grad accumulation {self.accum}")
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
-                         else nullcontext())
-        self.wandb = self._init_wandb()
+                self.optim = build_adamw_optimizers(self.model, t)
+            else:
+                self.optim = build_optimizers(self.model, t)
+            verify = cfg.data.verify_shards
+            self.loader = TokenLoader(cfg.data.data_dir, "train", seq, self.micro_rows, t.seed, rank, world_size,
+                                      verify=verify)
+            self.val_shards = TokenShards(cfg.data.data_dir, "val", verify=verify)
+            self.token_bytes = token_bytes(cfg.data.data_dir)
+            self.progress = Progress()
+            if latest is not None:
+                started = time.perf_counter()  # `latest` was verified by resume_checkpoint: one hash pass per load
+                state = (self.engine.load_checkpoint(latest, verified=True) if self.engine is not None
+                         else load_checkpoint(latest, self.model, self.optim, shard_plan=self.shard_plan, verified=True))
+                self._log(f"loaded {latest} in {time.perf_counter() - started:.1f} s")
+                self.progress = Progress(**state["progress"])
+                self.loader.load_state_dict(state["loader"])
+                self._log(f"resumed from {latest} at step {self.progress.step}")
+            if self.rank == 0:  # also from step 0: a run killed before its first checkpoint logged steps already
+                truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), self.progress.step)
+            # DDP for the replicated parameters (after the load: its start-up broadcast then changes nothing)
+            self.ddp = wrap_ddp(self.model, mesh, self.expert_names) if mesh.distributed and self.engine is None else None
+            self.replicated_params = [p for n, p in self.model.named_parameters() if n not in set(self.expert_names)]
+            self.backends = resolved_backends(self.model)
+            if self.rank == 0:
+                write_run_info(run_dir, self.backends, str(self.device),
+                               {"resumed_from": latest, "grad_accum": self.accum, "world_size": world_size,
+                                "ep": mesh.ep, "dp": mesh.dp, "engine": cfg.parallel.engine,
+                                **({"deepspeed": self.engine.describe()} if self.engine is not None else {})})
+            self._log(f"device {self.device}; backends: {self.backends}; grad accumulation {self.accum}")
+            self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                             else nullcontext())
+            self.wandb = self._init_wandb()
+        except BaseException:
+            self.release_lease()
+            raise
 
     # ------------------------------------------------------------------------------------------------------
+    def _take_lease(self, force: bool) -> None:
+        self.lease = RunDirLease(self.run_dir, force).acquire()
+
+    def release_lease(self) -> None:
+        """Give the run dir back (rank 0 holds the lease); idempotent."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
     def _log(self, msg: str) -> None:
         if not self.quiet and self.rank == 0:
             print(f"[nagmoe] {msg}", file=sys.stderr, flush=True)
@@ -377,6 +394,13 @@ class Trainer:
         return path
 
     def run(self) -> dict:
+        """Train to the stop; the run dir's lease is released at the end, however it ends."""
+        try:
+            return self._run()
+        finally:
+            self.release_lease()
+
+    def _run(self) -> dict:
         t = self.cfg.train
         metrics = MetricsWriter(self.run_dir) if self.rank == 0 else None
         bar = None

@@ -14,7 +14,7 @@ import torch
 
 from nagmoe.checkpoint import load_checkpoint, save_checkpoint
 from nagmoe.checkpoint.safe_dcp import UnsafeCheckpoint
-from payloads import PAYLOADS, inject, payloads, write_payload
+from payloads import PAYLOADS, write_payload
 from reliability2_helpers import ENV, REPO
 
 HERE = os.path.dirname(os.path.abspath(__file__))
