@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU check (<= 4 minutes on one H200), every section under its own timeout:
 #   install (pip install --no-deps --no-build-isolation -e ., nothing else) -> environment -> the gpu-marked
-#   tests (tests/gpu/, by path) -> benchmarks at the paper width, 4 layers (tools/bench_suite.py
+#   tests (tests/gpu/, by path) -> a DCP checkpoint of this torch read back through the restricted unpickler
+#   (its .metadata kept under the results) -> benchmarks at the paper width, 4 layers (tools/bench_suite.py
 #   --device cuda --paper-width: tokens/s, MFU, NAG overhead, MoD speed-up, peak memory) -> one summary table.
 # Eager by default (the fused NAG update is one of the measured variants); synthetic data only.
 # `datasets`, `wandb` and `deepspeed` are hidden from every Python process (a meta-path blocker in a temporary
@@ -81,6 +82,26 @@ PYEOF
 cat "$RESULTS/env.log"
 run_section tests 100 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/ || true
 tail -n 3 "$RESULTS/tests.log"
+# A DCP checkpoint written by this machine's torch (2.11 on the GPU machine), read back through the restricted
+# unpickler; its .metadata lands in $RESULTS/dcp_checkpoint/ to become a test fixture (issue 21).
+run_section dcp_metadata 60 "$PY" - "$RESULTS/dcp_checkpoint" <<'PYEOF' || true
+import shutil, sys, torch
+from nagmoe.checkpoint import load_checkpoint, save_checkpoint
+from nagmoe.checkpoint.safe_dcp import read_metadata_file
+from nagmoe.model import build_model
+from nagmoe.config import load_config
+cfg = load_config("configs/tiny.yaml", ["model.d_model=32", "model.n_layers=1", "model.vocab_size=256"])
+model = build_model(cfg.model)
+optim = torch.optim.AdamW(model.parameters())
+model(torch.randint(0, 256, (1, 16)), torch.randint(0, 256, (1, 16))).loss.backward()
+optim.step()
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+path = save_checkpoint(sys.argv[1], 1, model, optim)
+read_metadata_file(path + "/.metadata")
+fresh = build_model(cfg.model)
+load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters()), restore_rng=False)
+print("torch", torch.__version__, "metadata read back through the allow-list:", path)
+PYEOF
 if [[ $MODE == gpu ]]; then
   BENCH=(--device cuda --paper-width --sections nag,moe,mod,mfu)
   BENCH_LIMIT=170

@@ -23,7 +23,8 @@ from nagmoe.checkpoint.torch_layout import load_checkpoint, save_checkpoint
 
 __all__ = [
     "CHECKPOINTS", "MANIFEST", "STATE", "UnsafeCheckpoint", "capture_rng_state", "checkpoint_format",
-    "checkpoint_name", "deepspeed_model_state", "latest_valid_checkpoint", "list_checkpoints", "load_checkpoint", "load_model_weights",
+    "checkpoint_name", "deepspeed_model_state", "latest_valid_checkpoint", "list_checkpoints", "load_checkpoint",
+    "load_model_weights",
     "read_checkpoint_state", "restore_rng_state", "resume_checkpoint", "safe_dcp_load", "save_checkpoint",
     "unfinished_writes", "verify_checkpoint",
 ]

@@ -29,25 +29,13 @@ import uuid
 from typing import Optional
 
 from nagmoe.errors import UserError
+from nagmoe.settings import env_seconds
 
 LEASE_FILE = "lease.json"
 STALE_ENV, REFRESH_ENV = "NAGMOE_LEASE_STALE_S", "NAGMOE_LEASE_REFRESH_S"
 DEFAULT_STALE_S, DEFAULT_REFRESH_S = 600.0, 5.0
 
 log = logging.getLogger("nagmoe.checkpoint")
-
-
-def _seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise UserError(f"environment variable {name}={raw!r} must be a positive number of seconds")
-    return value
 
 
 def read_lease(run_dir: str) -> Optional[dict]:
@@ -82,8 +70,8 @@ class RunDirLease:
     def __init__(self, run_dir: str, force: bool = False):
         self.run_dir, self.force = run_dir, force
         self.path = os.path.join(run_dir, LEASE_FILE)
-        self.stale_s = _seconds(STALE_ENV, DEFAULT_STALE_S)
-        self.refresh_s = _seconds(REFRESH_ENV, DEFAULT_REFRESH_S)
+        self.stale_s = env_seconds(STALE_ENV, DEFAULT_STALE_S)
+        self.refresh_s = env_seconds(REFRESH_ENV, DEFAULT_REFRESH_S)
         self.me = {"host": socket.gethostname(), "pid": os.getpid(),
                    "slurm_job_id": os.environ.get("SLURM_JOB_ID") or None, "token": uuid.uuid4().hex}
         self._stop = threading.Event()

@@ -2,10 +2,10 @@
 
 A step whose `step_N` exists and verifies is not saved again (`already_saved`, decided before anything is
 written): the state at a step is the state at that step, and replacing a valid copy would open a window in
-which a kill leaves none. Everything else is written under `step_N.tmp-<tag>`, files are fsync'ed while hashing, the manifest goes in last,
-then one `os.rename` publishes the directory. Old checkpoints are removed only after the new one is
-published (renamed to `*.del-<tag>` first, so a crash mid-delete leaves nothing that looks like a
-checkpoint). Rank 0 alone runs this; the engines call it between their barriers.
+which a kill leaves none. Everything else is written under `step_N.tmp-<tag>`, files are fsync'ed while
+hashing, the manifest goes in last, then one `os.rename` publishes the directory. Old checkpoints are removed
+only after the new one is published (renamed to `*.del-<tag>` first, so a crash mid-delete leaves nothing
+that looks like a checkpoint). Rank 0 alone runs this; the engines call it between their barriers.
 """
 from __future__ import annotations
 

@@ -169,8 +169,13 @@ class SafeFileSystemReader(FileSystemReader):
 def refused_by_weights_only(error: Exception) -> str:
     """What `torch.load(weights_only=True)` refused, in a few words (its message is a page long)."""
     text = str(error)
-    match = re.search(r"Unsupported global: GLOBAL (\S+)", text) or re.search(r"WeightsUnpickler error: ([^\n]+)", text)
-    return f"names {match.group(1)}" if match else text.splitlines()[0][:200]
+    match = (re.search(r"Unsupported global: GLOBAL (\S+)", text)
+             or re.search(r"unsupported GLOBAL (\S+)", text)
+             or re.search(r"WeightsUnpickler error: ([^\n]+)", text))
+    if match:
+        return f"names {match.group(1)}"
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("Weights only load failed")]
+    return (lines[0] if lines else text.splitlines()[0])[:200]
 
 
 def weights_only_load(source, what: str, map_location=None, allowed_classes: tuple = ()) -> Any:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -37,13 +38,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from nagmoe.checkpoint.files import read_checkpoint_state, verify_checkpoint
+from nagmoe.checkpoint.files import hash_threads, read_checkpoint_state, verify_checkpoint
 from nagmoe.checkpoint.publish import already_saved, publish, save_paths
 from nagmoe.checkpoint.rng import capture_rng_state, restore_rng_state
 from nagmoe.checkpoint.safe_dcp import safe_dcp_load
 from nagmoe.errors import UserError
 
 FORMAT = 1  # state.json "format" of a torch-engine checkpoint
+SAVE_FILES_PER_RANK = 4
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -128,12 +130,18 @@ def _unwrap_sharded(state: Any) -> Any:
 
 def _dcp(fn, state: dict, path: str) -> None:
     """dcp.save / dcp.load; single-process when no group is initialised (DCP then warns on every call
-    that it assumes one process — which is exactly our intent, so that one warning is silenced)."""
+    that it assumes one process — which is exactly our intent, so that one warning is silenced). A save
+    writes each rank's tensors as up to SAVE_FILES_PER_RANK files (one writer thread each), so that the
+    manifest's and every load's hashing run in parallel too."""
     no_dist = not _distributed()
     with warnings.catch_warnings():
         if no_dist:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
-        fn(state, checkpoint_id=path, no_dist=no_dist)
+        if fn is dcp.save:
+            writer = FileSystemWriter(path, thread_count=min(SAVE_FILES_PER_RANK, hash_threads()))
+            fn(state, storage_writer=writer, no_dist=no_dist)
+        else:
+            fn(state, checkpoint_id=path, no_dist=no_dist)
 
 
 # ----------------------------------------------------------------------------------------------------------

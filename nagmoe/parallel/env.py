@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nagmoe.errors import UserError
+from nagmoe.settings import env_seconds
 
 DEFAULT_PORT = 29500
 TIMEOUT_ENV = "NAGMOE_DIST_TIMEOUT_S"  # process-group timeout (rendezvous and collectives), seconds
@@ -159,17 +160,7 @@ def dist_timeout_s(environ: Optional[Mapping[str, str]] = None) -> float:
     rendezvous (killed while starting: the others would wait for its store), and a peer that hangs (a frozen
     node, a stuck file system). Keep it above the longest gap between collectives — rank 0 hashes a whole
     checkpoint while the others wait — so the 30-minute default suits large checkpoints."""
-    env = os.environ if environ is None else environ
-    raw = env.get(TIMEOUT_ENV)
-    if raw is None or raw == "":
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (value > 0 and value != float("inf")):
-        raise UserError(f"environment variable {TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
-    return value
+    return env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, environ)
 
 
 def init_distributed(env: DistEnv, device: torch.device, timeout_s: Optional[float] = None) -> bool:

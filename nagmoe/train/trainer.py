@@ -115,7 +115,10 @@ class Trainer:
         self.lease = None
         mesh.on_rank0(lambda: self._take_lease(force))
         try:
+            started = time.perf_counter()
             latest = mesh.on_rank0(lambda: resume_checkpoint(run_dir, force))  # refuses if none is valid
+            if latest is not None:
+                self._log(f"verified {latest} in {time.perf_counter() - started:.1f} s")
             mesh.on_rank0(lambda: prepare_run_dir(run_dir, cfg, resuming=latest is not None, force=force))
 
             torch.manual_seed(t.seed)
@@ -147,7 +150,8 @@ class Trainer:
             if latest is not None:
                 started = time.perf_counter()  # `latest` was verified by resume_checkpoint: one hash pass per load
                 state = (self.engine.load_checkpoint(latest, verified=True) if self.engine is not None
-                         else load_checkpoint(latest, self.model, self.optim, shard_plan=self.shard_plan, verified=True))
+                         else load_checkpoint(latest, self.model, self.optim, shard_plan=self.shard_plan,
+                                              verified=True))
                 self._log(f"loaded {latest} in {time.perf_counter() - started:.1f} s")
                 self.progress = Progress(**state["progress"])
                 self.loader.load_state_dict(state["loader"])
@@ -155,7 +159,8 @@ class Trainer:
             if self.rank == 0:  # also from step 0: a run killed before its first checkpoint logged steps already
                 truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), self.progress.step)
             # DDP for the replicated parameters (after the load: its start-up broadcast then changes nothing)
-            self.ddp = wrap_ddp(self.model, mesh, self.expert_names) if mesh.distributed and self.engine is None else None
+            self.ddp = (wrap_ddp(self.model, mesh, self.expert_names) if mesh.distributed and self.engine is None
+                        else None)
             self.replicated_params = [p for n, p in self.model.named_parameters() if n not in set(self.expert_names)]
             self.backends = resolved_backends(self.model)
             if self.rank == 0:

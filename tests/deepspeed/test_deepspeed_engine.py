@@ -331,7 +331,8 @@ def test_every_reader_command_reads_a_deepspeed_run_like_a_torch_run(session, tm
             analysis = {k: v for k, v in json.load(f).items() if k not in where}
         _, weights = load_consolidated(consolidated)
         out[name] = (evaluation, generated, analysis, weights)
-    (ds_eval, ds_text, ds_analysis, ds_weights), (t_eval, t_text, t_analysis, t_weights) = out["deepspeed"], out["torch"]
+    (ds_eval, ds_text, ds_analysis, ds_weights), (t_eval, t_text, t_analysis, t_weights) = \
+        out["deepspeed"], out["torch"]
     assert ds_eval == t_eval and ds_text == t_text and ds_analysis == t_analysis
     assert ds_analysis["val_bpb"] > 0 and len(ds_text) > 0
     assert ds_weights.keys() == t_weights.keys()

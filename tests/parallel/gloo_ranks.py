@@ -1,13 +1,12 @@
 """Run a function on N real gloo processes (rendezvous through our own env/init code).
 
-`run_on_ranks(fn, world_size, *args)` starts `world_size` processes (forked from a forkserver that has
-torch and nagmoe imported, no process group of its own); each sets the launcher's
-variables (torchrun style RANK/WORLD_SIZE/LOCAL_RANK, or Slurm style SLURM_PROCID/SLURM_NTASKS/
-SLURM_LOCALID with SLURM_JOB_NODELIST), initialises the process group with `nagmoe.parallel.env`, calls
-`fn(*args)` and sends back its (picklable, tensor-free) result; `pg_timeout_s` is the process group's timeout. Returns the results by rank. A failing rank
-fails the call at once with its traceback (the others are killed rather than left hanging); a hang fails
-after `timeout` seconds.
-"""
+`run_on_ranks(fn, world_size, *args)` starts `world_size` processes (forked from a forkserver that has torch and
+nagmoe imported, no process group of its own); each sets the launcher's variables (torchrun style
+RANK/WORLD_SIZE/LOCAL_RANK, or Slurm style SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID with SLURM_JOB_NODELIST),
+initialises the process group with `nagmoe.parallel.env`, calls `fn(*args)` and sends back its (picklable,
+tensor-free) result; `pg_timeout_s` is the process group's timeout. Returns the results by rank. A failing rank
+fails the call at once with its traceback (the others are killed rather than left hanging); a hang fails after
+`timeout` seconds."""
 from __future__ import annotations
 
 import multiprocessing as mp

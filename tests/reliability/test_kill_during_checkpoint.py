@@ -1,14 +1,12 @@
 """kill -9 inside a checkpoint write, and corrupt or partial checkpoints on disk.
 
-A killed save never damages what was there before: until the rename that publishes it, a save lives in a
-tmp dir that resume ignores (with a warning naming it) unless it is complete and newer than every valid
-checkpoint, when resume publishes it; older checkpoints are pruned only after the new one is published; a
-valid step is never saved again, and an invalid one is replaced so that a kill at any point of the
-replacement leaves a complete copy (issue 21). A published checkpoint that fails its manifest (sha256 and size of every file, checked
-before anything is loaded) is skipped with a warning naming it. Either way the resumed run reproduces the
-uninterrupted reference bit for bit; and a run dir whose checkpoints are all invalid is not silently
-restarted from scratch.
-"""
+A killed save never damages what was there before: until the rename that publishes it, a save lives in a tmp dir
+that resume ignores (with a warning naming it) unless it is complete and newer than every valid checkpoint, when
+resume publishes it; older checkpoints are pruned only after the new one is published; a valid step is never
+saved again, and an invalid one is replaced so that a kill at any point of the replacement leaves a complete
+copy (issue 21). A published checkpoint that fails its manifest (sha256 and size of every file, checked before
+anything is loaded) is skipped with a warning naming it. Either way the resumed run reproduces the uninterrupted
+reference bit for bit; and a run dir whose checkpoints are all invalid is not silently restarted from scratch."""
 import json
 import logging
 import os

@@ -15,8 +15,9 @@ FS_MODULE = "torch.distributed.checkpoint.filesystem"  # a module on the allow-l
 
 def _unicode(s: str) -> bytes:
     data = s.encode()
-    head = pickle.SHORT_BINUNICODE + bytes([len(data)]) if len(data) < 256 else pickle.BINUNICODE + struct.pack("<I", len(data))
-    return head + data
+    if len(data) < 256:
+        return pickle.SHORT_BINUNICODE + bytes([len(data)]) + data
+    return pickle.BINUNICODE + struct.pack("<I", len(data)) + data
 
 
 def _stack_global(module: str, name: str) -> bytes:
@@ -61,10 +62,11 @@ def payloads(marker: str) -> dict[str, tuple[bytes, str]]:
         # an undotted name reaching a module object, then protocol 2's BUILD setting an attribute on it
         "module_object_build": (_global(FS_MODULE, "os") + pickle.EMPTY_DICT + _unicode("sep") + _unicode("X")
                                 + pickle.SETITEM + pickle.BUILD + pickle.POP, "os"),
-        # BUILD on an allowed class (not an instance): would rewrite the class for the whole process
+        # BUILD on an allowed class (not an instance), slot-state form (setattr): rewrites the class for the
+        # whole process (here Metadata.__init__ = None)
         "build_on_allowed_class": (_stack_global("torch.distributed.checkpoint.metadata", "Metadata")
-                                   + pickle.EMPTY_DICT + _unicode("__init__") + pickle.NONE + pickle.SETITEM
-                                   + pickle.BUILD + pickle.POP, "Metadata"),
+                                   + pickle.NONE + pickle.EMPTY_DICT + _unicode("__init__") + pickle.NONE
+                                   + pickle.SETITEM + pickle.TUPLE2 + pickle.BUILD + pickle.POP, "Metadata"),
         # SETITEM into the builtins namespace (a global `open` replaced by `exec` for everyone after)
         "setitem_into_builtins": (_global("builtins", "__dict__") + _unicode("open") + _global("builtins", "exec")
                                   + pickle.SETITEM + pickle.POP, "builtins.__dict__"),

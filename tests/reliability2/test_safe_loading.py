@@ -3,8 +3,6 @@ and non-tensor items are read without executing pickled code; every torch.load i
 weights_only=True (DeepSpeed's files too, through our checkpoint engine: tests/deepspeed)."""
 import ast
 import glob
-import hashlib
-import json
 import os
 import pickle
 import shutil
@@ -15,8 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from nagmoe.errors import UserError
-from nagmoe.checkpoint import MANIFEST, latest_valid_checkpoint, load_checkpoint
+from nagmoe.checkpoint import latest_valid_checkpoint, load_checkpoint
 from nagmoe.checkpoint.safe_dcp import UnsafeCheckpoint, safe_dcp_load
+from payloads import rewrite_manifest
 from reliability2_helpers import REPO
 
 
@@ -28,18 +27,6 @@ class Payload:
 
     def __reduce__(self):
         return open, (self.marker, "w")
-
-
-def rewrite_manifest(checkpoint: str, rel: str) -> None:
-    """What an attacker who can write the run dir does: re-record the checksum of a replaced file."""
-    path = os.path.join(checkpoint, MANIFEST)
-    with open(path) as f:
-        manifest = json.load(f)
-    with open(os.path.join(checkpoint, rel), "rb") as f:
-        data = f.read()
-    manifest["files"][rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    with open(path, "w") as f:
-        json.dump(manifest, f)
 
 
 @pytest.fixture
