@@ -15,6 +15,7 @@ from nagmoe.errors import UserError
 from nagmoe.flops import flops_per_token
 from nagmoe.schema import (
     CHOICES,
+    LEGACY_VALUES,
     NON_NEGATIVE,
     POSITIVE,
     RESUMABLE_KEYS,
@@ -35,6 +36,7 @@ from nagmoe.schema import (
     dump_yaml,
     expert_hidden,
     get_key,
+    missing_legacy_keys,
     parse_overrides,
     set_key,
     to_dict,
@@ -42,7 +44,7 @@ from nagmoe.schema import (
 )
 
 __all__ = [  # the schema's names are re-exported: `from nagmoe.config import ...` is the public face
-    "CHOICES", "NON_NEGATIVE", "POSITIVE", "RESUMABLE_KEYS", "AttentionConfig", "Config", "ConfigError",
+    "CHOICES", "LEGACY_VALUES", "NON_NEGATIVE", "POSITIVE", "RESUMABLE_KEYS", "AttentionConfig", "Config", "ConfigError",
     "DataConfig", "LogConfig", "MoDConfig", "MoEConfig", "ModelConfig", "NAGConfig", "ParallelConfig",
     "TrainConfig", "attention_heads", "budget_tokens", "config_from_dict", "dump_yaml", "expert_hidden",
     "get_key", "load_config", "parse_overrides", "set_key", "to_dict", "validate_config", "yaml_load",
@@ -60,8 +62,12 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), valid
     return cfg
 
 
-def config_from_dict(data: dict, validate: bool = True) -> Config:
+def config_from_dict(data: dict, validate: bool = True, legacy: bool = False) -> Config:
+    """`legacy`: `data` is a saved config; keys it predates take their LEGACY_VALUES (the migration rule)."""
     cfg = _from_dict(Config, data)
+    if legacy:
+        for key, value in missing_legacy_keys(data).items():
+            set_key(cfg, key, value)
     if validate:
         validate_config(cfg)
     return cfg

@@ -111,7 +111,7 @@ class RunPlan:
         """Finished with this config: summary.json, and the saved config equals the planned one (the device
         aside). A finished run whose budget or config changed is handed to the trainer again, which continues
         to a new budget or refuses a structural change with a message."""
-        from nagmoe.checkpoint.run_dir import config_differences, read_saved_config
+        from nagmoe.checkpoint.run_dir import read_saved_config, resume_differences
 
         if not os.path.isfile(os.path.join(self.run_dir, SUMMARY_FILE)):
             return False
@@ -122,7 +122,7 @@ class RunPlan:
         if saved is None or any(getattr(saved.train, k) != getattr(self.config.train, k)
                                 for k in ("flop_budget", "max_steps")):  # the stops (resumable keys)
             return False
-        return not [d for d in config_differences(saved, self.config) if not d.startswith("train.device:")]
+        return not [d for d in resume_differences(self.run_dir, self.config) if not d.startswith("train.device:")]
 
     def full_depth_flops_per_token(self) -> float:
         from nagmoe.flops import flops_per_token

@@ -72,6 +72,10 @@ class MoEConfig:
     impl: str = "auto"  # auto | grouped | loop (reference)
     lb_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
+    # How the LM loss reaches the router under NAG (docs/decisions.md, "router gradient under NAG"):
+    # step_gain = the NAG step gain times S / stopgrad(S), S = the token's summed top-k gate weight (forward
+    # unchanged); none = only through the branch output, which NAG normalises (top-1: no gradient at all).
+    gate_grad: str = "step_gain"
 
 
 @dataclass
@@ -89,6 +93,8 @@ class MoDConfig:
     skip_rate: float = 0.0  # 0 = MoD off
     sublayers: str = "all"  # all | attention | ffn | every_other
     start_tokens: int = 0  # skipping starts after this many tokens (>= the injection warm-up)
+    # std of the base vectors X_l at init; 0 = zero (every token's update is its own branch's from the start)
+    base_init_std: float = 0.0
 
 
 @dataclass
@@ -186,6 +192,7 @@ CHOICES = {
     "model.attention.impl": ("auto", "sdpa", "math", "flash"),
     "model.moe.impl": ("auto", "grouped", "loop", "megablocks"),
     "model.nag.impl": ("auto", "eager", "compiled"),
+    "model.moe.gate_grad": ("step_gain", "none"),
     "model.mod.sublayers": ("all", "attention", "ffn", "every_other"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.optimizer": ("muon", "adamw"),
@@ -208,11 +215,18 @@ POSITIVE = (
     "model.init_std",
 )
 NON_NEGATIVE = (
-    "model.nag.warmup_tokens", "model.mod.start_tokens", "train.warmup_steps", "train.checkpoint_every",
+    "model.nag.warmup_tokens", "model.mod.start_tokens", "model.mod.base_init_std", "train.warmup_steps",
+    "train.checkpoint_every",
     "train.eval_every", "train.weight_decay", "train.grad_clip", "log.stats_every", "train.gate_collapse_every",
     "model.moe.lb_loss_weight", "model.moe.z_loss_weight", "train.seed", "train.lr_matrix", "train.lr_embed",
     "train.lr_unembed", "train.lr_scalar", "train.lr_gate", "train.lr_router",
 )
+# Keys added after runs existed, with the value that reproduces the behaviour of a run dir whose saved config
+# predates them (the migration rule: new runs get the default, an old run dir resumes as it was).
+LEGACY_VALUES = {
+    "model.moe.gate_grad": "none",
+    "model.mod.base_init_std": 0.02,
+}
 # Keys that may change when a run resumes (the schedule length), per the design contract.
 RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every")
 
@@ -311,6 +325,20 @@ def to_dict(cfg) -> dict:
 
 def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def missing_legacy_keys(data: dict) -> dict:
+    """The LEGACY_VALUES entries whose key the raw (nested) config dict `data` does not set: what a config
+    saved before those keys existed must be read with."""
+    out = {}
+    for key, value in LEGACY_VALUES.items():
+        node = data
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                out[key] = value
+                break
+            node = node[part]
+    return out
 
 
 def get_key(cfg, dotted: str) -> Any:

@@ -1,6 +1,7 @@
 """Run directories: the resolved config, provenance (git commit, versions, backends), resume checks."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
@@ -8,7 +9,8 @@ import subprocess
 import sys
 import time
 
-from nagmoe.config import RESUMABLE_KEYS, Config, config_from_dict, dump_yaml, to_dict, yaml_load
+from nagmoe.config import (RESUMABLE_KEYS, Config, config_from_dict, dump_yaml, missing_legacy_keys, set_key, to_dict,
+                           yaml_load)
 from nagmoe.errors import UserError
 
 CONFIG_FILE = "config.yaml"
@@ -34,12 +36,41 @@ def config_differences(saved: Config, new: Config) -> list[str]:
             if a.get(k) != b.get(k) and k not in RESUMABLE_KEYS]
 
 
-def read_saved_config(run_dir: str):
+def _saved_yaml(run_dir: str):
     path = os.path.join(run_dir, CONFIG_FILE)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        return config_from_dict(yaml_load(f) or {}, validate=False)
+        return yaml_load(f) or {}
+
+
+def read_saved_config(run_dir: str):
+    """The run's saved config (None without one); keys it predates take their legacy values."""
+    data = _saved_yaml(run_dir)
+    return None if data is None else config_from_dict(data, validate=False, legacy=True)
+
+
+def legacy_keys_of(run_dir: str) -> dict:
+    """{key: legacy value} for the keys the run dir's saved config predates ({} without a saved config)."""
+    data = _saved_yaml(run_dir)
+    return {} if data is None else missing_legacy_keys(data)
+
+
+def adopt_legacy_values(run_dir: str, cfg: Config) -> dict:
+    """On resume: set in `cfg` the legacy value of every key the run dir's saved config predates, so the run
+    continues with the behaviour it started with (the migration rule); returns {key: value} adopted."""
+    legacy = legacy_keys_of(run_dir)
+    for key, value in legacy.items():
+        set_key(cfg, key, value)
+    return legacy
+
+
+def resume_differences(run_dir: str, new: Config) -> list[str]:
+    """`config_differences` between the run dir's saved config and `new` as a resume would apply it (the keys
+    the saved config predates take their legacy values in both)."""
+    new = copy.deepcopy(new)
+    adopt_legacy_values(run_dir, new)
+    return config_differences(read_saved_config(run_dir), new)
 
 
 def prepare_run_dir(run_dir: str, cfg: Config, resuming: bool, force: bool = False) -> None:

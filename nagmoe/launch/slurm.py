@@ -186,7 +186,7 @@ def check_resume_config(run_dir: str, config_yaml: str, force: bool) -> None:
     """Refuse at submission what the trainer would refuse at start: resuming a run dir that has checkpoints
     with a config that differs beyond the schedule-length keys."""
     from nagmoe.config import config_from_dict, yaml_load
-    from nagmoe.checkpoint.run_dir import config_differences, read_saved_config
+    from nagmoe.checkpoint.run_dir import read_saved_config, resume_differences
 
     ckpts = os.path.join(run_dir, "checkpoints")
     if force or not (os.path.isdir(ckpts) and os.listdir(ckpts)):
@@ -194,7 +194,7 @@ def check_resume_config(run_dir: str, config_yaml: str, force: bool) -> None:
     saved = read_saved_config(run_dir)
     if saved is None:
         return
-    diffs = config_differences(saved, config_from_dict(yaml_load(config_yaml) or {}, validate=False))
+    diffs = resume_differences(run_dir, config_from_dict(yaml_load(config_yaml) or {}, validate=False))
     if diffs:
         raise UserError(f"{run_dir}: has checkpoints of a different config ({'; '.join(diffs[:3])}"
                         f"{' ...' if len(diffs) > 3 else ''}); use another --run-dir or pass --force")

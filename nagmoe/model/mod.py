@@ -108,13 +108,13 @@ class ExecutedTokens:
 
 
 def run_on_executed(sublayer: Callable, x_BTD: torch.Tensor, select: Optional[ExecutedTokens] = None):
-    """A per-token sublayer (dense FFN, MoE) on the executed tokens only: `(y_ND, aux)` for the N gathered
-    tokens, or the sublayer's own `(y_BTD, aux)` when `select` is None. The MoE routes only these tokens
-    (its aux losses are statistics of the executed tokens)."""
+    """A per-token sublayer (dense FFN, MoE) on the executed tokens only: `(y_ND, aux[, gate_scale_N])` for
+    the N gathered tokens, or the sublayer's own output when `select` is None. The MoE routes only these
+    tokens (its aux losses are statistics of the executed tokens)."""
     if select is None:
         return sublayer(x_BTD)
-    y_1ND, aux = sublayer(select.gather(x_BTD).unsqueeze(0))
-    return y_1ND.squeeze(0), aux
+    out = sublayer(select.gather(x_BTD).unsqueeze(0))
+    return (out[0].squeeze(0), out[1], *(t.squeeze(0) for t in out[2:]))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -6,8 +6,12 @@ K = top_k, H expert hidden width, S = N·K routing slots (one per (token, choice
 Pipeline of one forward call:
   1. route    logits_NE = x_ND @ W_rᵀ in fp32 (autocast off); probs_NE = softmax; top-k -> expert_NK, gate_NK.
               Gate weights are the raw top-k softmax probabilities, NOT renormalised over the k (as OLMoE):
-              the LM loss then reaches the router through the gates even for top-1, and a token whose
-              probability mass is spread over unchosen experts gets a smaller update.
+              under pre-norm the LM loss then reaches the router through the gates even for top-1, and a
+              token whose probability mass is spread over unchosen experts gets a smaller update. Under NAG
+              the branch output is normalised (u = sqrt(d)·f⊥/||f⊥||), so the summed gate weight
+              S = Σ_k gate_k cancels (exactly for top-1): with `gate_scale_output` the layer also returns
+              gate_scale_N = S / stopgrad(S) (= 1 in the forward), which the NAG stream multiplies into the
+              step gain, so ∂L/∂log S = g·∂L/∂g (docs/decisions.md, "router gradient under NAG").
   2. dispatch slots sorted by expert (stable argsort), each slot a copy of its token: x_SD. No capacity,
               no token dropped.
   3. experts  y_SD = relu(x_SD @ w_in[e])² @ w_out[e], by the backend from `nagmoe.ops.grouped_experts`.
@@ -62,7 +66,8 @@ def router_z_loss(logits_NE: torch.Tensor) -> torch.Tensor:
 
 
 class MoELayer(nn.Module):
-    """Dropless top-k MoE FFN: `forward(x_BTD) -> (y_BTD, aux_loss)`.
+    """Dropless top-k MoE FFN: `forward(x_BTD) -> (y_BTD, aux_loss)`, or `(y_BTD, aux_loss, gate_scale_BT)`
+    with `gate_scale_output` (the sublayer contract of nagmoe/model/residual.py).
 
     Parameters: `router.weight (E, D)` (role router), `w_in (E, D, H)` and `w_out (E, H, D)` (role matrix;
     `w_out` zero-initialised, so a fresh layer outputs 0 like the dense MLP). H = cfg.expert_hidden, or
@@ -84,7 +89,8 @@ class MoELayer(nn.Module):
 
     param_roles = {"w_in": MATRIX, "w_out": MATRIX}
 
-    def __init__(self, d_model: int, cfg: MoEConfig, init_std: Optional[float] = None):
+    def __init__(self, d_model: int, cfg: MoEConfig, init_std: Optional[float] = None,
+                 gate_scale_output: bool = False):
         super().__init__()
         if cfg.n_experts < 1 or not 1 <= cfg.top_k <= cfg.n_experts:
             raise UserError(f"model.moe.top_k: {cfg.top_k} must be in [1, model.moe.n_experts={cfg.n_experts}]")
@@ -98,6 +104,7 @@ class MoELayer(nn.Module):
         self.router = Router(d_model, cfg.n_experts)
         self.w_in = nn.Parameter(torch.empty(cfg.n_experts, d_model, hidden))
         self.w_out = nn.Parameter(torch.empty(cfg.n_experts, hidden, d_model))
+        self.gate_scale_output = gate_scale_output
         self.last_stats: dict[str, torch.Tensor] = {}
         # Token movement hook, set from outside (nagmoe.parallel): `dispatcher(layer, x_SD, counts_E) -> y_SD`
         # replaces the local expert call; an expert-parallel one also holds only this rank's slice of
@@ -122,7 +129,7 @@ class MoELayer(nn.Module):
             return self.dispatcher(self, x_SD, counts_E)
         return EXPERT_FORWARD[self.backend](x_SD, self.w_in, self.w_out, counts_E)
 
-    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x_BTD: torch.Tensor) -> tuple:
         B, T, D = x_BTD.shape
         N, E, K = B * T, self.n_experts, self.top_k
         x_ND = x_BTD.reshape(N, D)
@@ -151,4 +158,7 @@ class MoELayer(nn.Module):
         y_ND = (y_NKD * gate_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(dim=1)
 
         self.last_stats = {"lb_loss": lb.detach(), "z_loss": z.detach(), "tokens_per_expert": counts_E.detach()}
-        return y_ND.view(B, T, D), aux_loss
+        if not self.gate_scale_output:
+            return y_ND.view(B, T, D), aux_loss
+        s_N = gate_NK.sum(dim=1)  # the token's summed gate weight S (fp32)
+        return y_ND.view(B, T, D), aux_loss, (s_N / s_N.detach()).view(B, T)

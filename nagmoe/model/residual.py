@@ -6,14 +6,18 @@ Legend: B batch, T sequence, D model width, V vocabulary, C modulator directions
 The transformer's loop is the same for every stream:
     state = stream.encode(wte, idx_BT)
     for index, sublayer in enumerate(sublayers):          # index k = NAG sublayer l - 1
-        state, aux = stream.apply(index, sublayer, state)  # sublayer(x_BTD) -> (y_BTD, aux or None)
+        state, aux = stream.apply(index, sublayer, state)
     logits_BTV = stream.decode(state, lm_head)             # fp32
+The sublayer contract: `sublayer(x_BTD) -> (y_BTD, aux or None)` or `(y_BTD, aux or None, gate_scale_BT)`.
+`gate_scale_BT` (only a MoE feeding a NAG stream with model.moe.gate_grad=step_gain returns one) is S /
+stopgrad(S) for the token's summed gate weight S: 1 in the forward; NAG multiplies it into its step gain so
+the router gets the gradient the normalised branch output would otherwise cancel. Pre-norm ignores it.
 Each call takes an optional `stats` (a StatsCollector); with `stats=None` nothing extra is computed.
 A stream only *calls* `sublayer(x_BTD)` (no attribute access): when decoding, the transformer passes the
 attention sublayer with its inference cache bound (`functools.partial(attn, cache=...)`). Both streams are
 per-token maps around the sublayers, so they need no decoding state of their own.
 Under MoD (NAG only, `model.mod.skip_rate > 0`) the stream also calls `sublayer(x_BTD, select=executed)`,
-which returns `(y_ND, aux)` for the executed tokens only (nagmoe/model/mod.py).
+which returns `(y_ND, aux[, gate_scale_N])` for the executed tokens only (nagmoe/model/mod.py).
 """
 from __future__ import annotations
 
@@ -84,7 +88,7 @@ class PreNormResidual(ResidualStream):
         return rms_norm(wte(idx_BT))
 
     def apply(self, index, sublayer, x_BTD, stats=None):
-        y_BTD, aux = sublayer(rms_norm(x_BTD))
+        y_BTD, aux = sublayer(rms_norm(x_BTD))[:2]  # the gate scale is NAG's (module docstring)
         out_BTD = x_BTD + y_BTD
         if stats is not None:
             stats.add_sublayer(
@@ -103,6 +107,11 @@ class PreNormResidual(ResidualStream):
 # ----------------------------------------------------------------------------------------------------------
 # NAG: two lanes, direction (RMS 1, compute dtype) and log-norm (fp32)
 # ----------------------------------------------------------------------------------------------------------
+def _unpack(out: tuple) -> tuple:
+    """(y, aux, gate_scale or None) from a sublayer's output (the contract in the module docstring)."""
+    return out[0], out[1], (out[2] if len(out) > 2 else None)
+
+
 class NAGState(NamedTuple):
     log_norm_BT: torch.Tensor  # s = log rho, fp32
     direction_BTD: torch.Tensor  # R_bar, RMS 1, compute dtype
@@ -113,8 +122,11 @@ class NAGGate(nn.Module):
 
     Init (reference/nag.md): weight ~ N(0, 1/d), bias 0, coef 0 (uniform softmax), softplus(beta_raw) =
     beta_init, alpha = l^(-1/2) for the 1-based sublayer index l. With `mod_base` (MoD) also the base vector
-    `base (d,)` ~ N(0, base_init_std²): X_l, added to every token's branch output (nonzero, so that a skipped
-    token's N_out has a finite Jacobian and X_l learns from the first step)."""
+    `base (d,)`: X_l, added to every token's branch output. `base_init_std` 0 (model.mod.base_init_std, the
+    default) starts it at zero like every branch's output projection: a nonzero X_l while the branches are
+    still zero would rotate every token towards the same direction, collapsing the routers' inputs
+    (docs/decisions.md); nag_update's eps keeps the Jacobian at f⊥ = 0 finite, so X_l learns from the first
+    step either way. The legacy value is 0.02 (N(0, 0.02²))."""
 
     param_roles = {"weight": GATE, "bias": GATE, "coef": GATE, "beta_raw": GATE, "alpha": GATE, "base": GATE}
 
@@ -141,8 +153,10 @@ class NAGGate(nn.Module):
         with torch.no_grad():
             self.beta_raw.fill_(math.log(math.expm1(self.beta_init)))  # softplus^-1(beta_init)
             self.alpha.fill_(self.sublayer_number ** -0.5)
-        if self.base is not None:
+        if self.base is not None and self.base_init_std > 0:
             nn.init.normal_(self.base, std=self.base_init_std)
+        elif self.base is not None:
+            nn.init.zeros_(self.base)
 
     def modulator(self, direction_BTD: torch.Tensor) -> torch.Tensor:
         return modulator(direction_BTD, self.weight, self.bias, self.coef, self.beta_raw, self.floor)
@@ -174,7 +188,8 @@ class NAGResidual(ResidualStream):
         self.g_encode = nn.Parameter(torch.zeros((), dtype=torch.float32))  # log-space encode gain
         mod = model_cfg.mod
         self.gates = nn.ModuleList(
-            NAGGate(model_cfg.d_model, nag.C, index + 1, nag.beta_init, nag.gain_floor, mod_base=mod.skip_rate > 0)
+            NAGGate(model_cfg.d_model, nag.C, index + 1, nag.beta_init, nag.gain_floor, mod_base=mod.skip_rate > 0,
+                    base_init_std=getattr(mod, "base_init_std", 0.02))
             for index in range(n_sublayers))
         # model.nag.impl: the fused (compiled) or eager NAG update and modulator (nagmoe/ops/nag_fused.py)
         self.impl = resolve_nag_backend(getattr(nag, "impl", "auto"))
@@ -207,22 +222,25 @@ class NAGResidual(ResidualStream):
         gate = self.gates[index]
         select = None
         if self.mod is None:  # the modulator is needed only by the update: one fused region for both
-            f_BTD, aux = sublayer(direction_BTD)
+            f_BTD, aux, gate_scale_BT = _unpack(sublayer(direction_BTD))
             new_log_norm_BT, new_direction_BTD, m_BT, scale_BT = self.ops.gated_update(
                 log_norm_BT, direction_BTD, f_BTD, gate.weight, gate.bias, gate.coef, gate.beta_raw, gate.alpha,
-                self.injection_warmup, gate.floor, self.eps)
+                self.injection_warmup, gate.floor, self.eps, gate_scale_BT)
         else:
             m_BT = self.ops.modulator(direction_BTD, gate.weight, gate.bias, gate.coef, gate.beta_raw, gate.floor)
             scale_BT = gate.alpha.float() * m_BT * self.injection_warmup
             score_BT = rotation_score(gate.alpha.detach(), m_BT.detach())  # a decision: no gradient
             select = self.mod.select(index, score_BT)
             if select is None:  # every token executes (ineligible, or before the start)
-                f_BTD, aux = sublayer(direction_BTD)
+                f_BTD, aux, gate_scale_BT = _unpack(sublayer(direction_BTD))
             else:  # F on the executed tokens only, zeros elsewhere
-                y_ND, aux = sublayer(direction_BTD, select=select)
+                y_ND, aux, gate_scale_N = _unpack(sublayer(direction_BTD, select=select))
                 f_BTD = select.scatter(y_ND)
+                gate_scale_BT = (None if gate_scale_N is None  # 1 for skipped tokens, S / sg(S) for executed
+                                 else 1.0 + select.scatter((gate_scale_N - 1.0).unsqueeze(-1)).squeeze(-1))
             f_BTD = f_BTD + gate.base.to(f_BTD.dtype)  # F(R_bar) + X_l executed, X_l skipped
-            new_log_norm_BT, new_direction_BTD = self.ops.update(log_norm_BT, direction_BTD, f_BTD, scale_BT,
+            step_BT = scale_BT if gate_scale_BT is None else scale_BT * gate_scale_BT
+            new_log_norm_BT, new_direction_BTD = self.ops.update(log_norm_BT, direction_BTD, f_BTD, step_BT,
                                                                  self.eps)
         if stats is not None:
             self._record(stats, gate, state, new_log_norm_BT, new_direction_BTD, m_BT, scale_BT, select)

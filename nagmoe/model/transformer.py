@@ -78,7 +78,8 @@ def build_ffn(model_cfg, init_std: Optional[float]) -> nn.Module:
     if model_cfg.ffn == "moe":
         from nagmoe.model.moe import MoELayer  # lazy: only MoE configs need it
 
-        return MoELayer(model_cfg.d_model, model_cfg.moe, init_std=init_std)
+        gate_scale = model_cfg.residual == "nag" and getattr(model_cfg.moe, "gate_grad", "none") == "step_gain"
+        return MoELayer(model_cfg.d_model, model_cfg.moe, init_std=init_std, gate_scale_output=gate_scale)
     return DenseMLP(model_cfg.d_model, model_cfg.mlp_hidden, init_std)
 
 

@@ -59,11 +59,13 @@ def resolve_nag_backend(requested: str = "auto") -> str:
 # The functions each backend provides (same signatures for every backend)
 # ----------------------------------------------------------------------------------------------------------
 def _gated_update(log_norm_BT, direction_BTD, branch_BTD, weight_CD, bias_C, coef_C, beta_raw, alpha, warmup,
-                  floor: float, eps: float):
-    """Modulator + scale + update in one function: returns (log_norm', direction', m_BT, scale_BT)."""
+                  floor: float, eps: float, gate_scale_BT=None):
+    """Modulator + scale + update in one function: returns (log_norm', direction', m_BT, scale_BT).
+    `gate_scale_BT`: the MoE's S / stopgrad(S) (1 in the forward), multiplied into the step gain only."""
     m_BT = eager_modulator(direction_BTD, weight_CD, bias_C, coef_C, beta_raw, floor)
     scale_BT = alpha.float() * m_BT * warmup
-    new_log_norm_BT, new_direction_BTD = eager_nag_update(log_norm_BT, direction_BTD, branch_BTD, scale_BT, eps)
+    step_BT = scale_BT if gate_scale_BT is None else scale_BT * gate_scale_BT
+    new_log_norm_BT, new_direction_BTD = eager_nag_update(log_norm_BT, direction_BTD, branch_BTD, step_BT, eps)
     return new_log_norm_BT, new_direction_BTD, m_BT, scale_BT
 
 

@@ -45,7 +45,7 @@ from nagmoe.train.guards import (
     EXIT_GATE_COLLAPSE, EXIT_NONFINITE, TrainingHalted, collapsed_fraction, gate_collapse_message, is_nonfinite,
     locate_nonfinite, nonfinite_message, realised_gains, warn)
 from nagmoe.train.preemption import PreemptionWatch
-from nagmoe.checkpoint.run_dir import prepare_run_dir, write_run_info, write_summary
+from nagmoe.checkpoint.run_dir import adopt_legacy_values, prepare_run_dir, write_run_info, write_summary
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
 from nagmoe.train.speed import compile_model, enable_activation_checkpointing
 
@@ -119,6 +119,9 @@ class Trainer:
             latest = mesh.on_rank0(lambda: resume_checkpoint(run_dir, force))  # refuses if none is valid
             if latest is not None:
                 self._log(f"verified {latest} in {time.perf_counter() - started:.1f} s")
+            if latest is not None:  # every rank: keys the run dir predates keep their legacy values
+                for key, value in adopt_legacy_values(run_dir, cfg).items():
+                    self._log(f"{key}={value!r}: the run dir's config predates this key (its legacy value)")
             mesh.on_rank0(lambda: prepare_run_dir(run_dir, cfg, resuming=latest is not None, force=force))
 
             torch.manual_seed(t.seed)

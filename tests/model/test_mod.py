@@ -29,8 +29,9 @@ ATTENTIONS = {
 
 def mod_model(attention="cca", impl="sdpa", ffn="dense", skip_rate=0.3, seed=0, sublayers="all"):
     torch.manual_seed(seed)
+    # a nonzero X_l (the legacy init; the default starts it at zero) so that skipped tokens move too
     cfg = tiny_config("nag", impl, attention=dict(ATTENTIONS[attention]), ffn=ffn,
-                      mod=MoDConfig(skip_rate=skip_rate, sublayers=sublayers))
+                      mod=MoDConfig(skip_rate=skip_rate, sublayers=sublayers, base_init_std=0.02))
     if ffn == "moe":
         cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.expert_hidden = 4, 2, 32
     model = build_model(cfg)
@@ -134,13 +135,15 @@ def test_run_on_executed_gathers_tokens_for_ffn_and_moe():
     moe = model.blocks[0].ffn
     x = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(1))
     mask = torch.rand(2, 10, generator=torch.Generator().manual_seed(2)) > 0.5
-    with torch.no_grad():
-        full, _ = run_on_executed(moe, x)
-        part, aux = run_on_executed(moe, x, ExecutedTokens(mask))
+    with torch.no_grad():  # a MoE feeding NAG also returns its gate scale (1 in the forward), per token
+        full, _, full_scale = run_on_executed(moe, x)
+        part, aux, part_scale = run_on_executed(moe, x, ExecutedTokens(mask))
     torch.testing.assert_close(part, full[mask], atol=1e-6, rtol=1e-6)
+    assert full_scale.shape == (2, 10) and part_scale.shape == (int(mask.sum()),)
+    assert bool((part_scale == 1).all())
     assert int(moe.last_stats["tokens_per_expert"].sum()) == int(mask.sum()) * 2  # routed only these (top-2)
-    empty, _ = run_on_executed(moe, x, ExecutedTokens(torch.zeros(2, 10, dtype=torch.bool)))
-    assert empty.shape == (0, 32)
+    empty, _, empty_scale = run_on_executed(moe, x, ExecutedTokens(torch.zeros(2, 10, dtype=torch.bool)))
+    assert empty.shape == (0, 32) and empty_scale.shape == (0,)
 
 
 # ----------------------------------------------------------------------------------------------------------
