@@ -137,6 +137,22 @@ def depth_panels(depth: dict, colours: dict, path: str) -> Optional[str]:
     return _save(fig, path)
 
 
+def router_load_heatmaps(loads: dict, path: str) -> Optional[str]:
+    """One heatmap per run group: the fraction of routing slots each expert (x) of each MoE layer (y) received
+    on the analysed validation tokens (1/E everywhere = balanced). `loads`: {group: L x E list}."""
+    if not loads:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(loads), figsize=(4.2 * len(loads), 3.8), squeeze=False)
+    for ax, (group, load) in zip(axes[0], loads.items()):
+        image = ax.imshow(load, aspect="auto", cmap="viridis", vmin=0.0)
+        ax.set_title(f"{group}: router load (1/E = {1 / max(1, len(load[0])):.3f})", fontsize=9)
+        ax.set_xlabel("expert")
+        ax.set_ylabel("MoE layer")
+        fig.colorbar(image, ax=ax, fraction=0.046)
+    return _save(fig, path)
+
+
 def confidence_panels(bins: dict, colours: dict, path: str) -> Optional[str]:
     """NAG's final log-norm as a confidence signal: mean loss and top-1 accuracy per equal-count bin.
     `bins`: {group: [{"mean", "loss", "top1_acc"}, ...]}."""

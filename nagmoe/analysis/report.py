@@ -25,7 +25,7 @@ from nagmoe.analysis.report_data import (FINAL_LOSS_WINDOW, accuracy_noise, find
                                          measure_checkpoint, noise_statement, read_run, unique_labels)
 
 REPORT_HTML, REPORT_JSON, FIGURE_DIR = "report.html", "report.json", "figures"
-FIGURES = ("loss_curves", "val_bpb", "depth", "confidence", "compute_dial")
+FIGURES = ("loss_curves", "val_bpb", "depth", "confidence", "router_load", "compute_dial")
 SECTIONS = ("overview", "problems", "results", "curves", "comparisons", "depth", "mod", "dial", "references", "runs")
 PAIR_TITLES = {"nag_vs_baseline": "NAG vs pre-norm baseline", "mod_vs_full": "MoD vs full depth",
                "vs_first": "vs the first run"}
@@ -193,7 +193,7 @@ def comparisons(pairs, nums) -> str:
 
 
 def depth_section(groups, colours, fig_dir) -> tuple:
-    depth, conf, rows = {}, {}, []
+    depth, conf, rows, loads = {}, {}, [], {}
     for g, rs in groups.items():
         r = next((r for r in rs if r.analysis), None)
         if r is None:
@@ -206,13 +206,16 @@ def depth_section(groups, colours, fig_dir) -> tuple:
         signal = a["confidence"].get("final_log_norm")
         if signal:
             conf[g] = signal["bins"]
+        if isinstance(a.get("router"), dict):  # analyses cached before the router section have none
+            loads[g] = a["router"]["load"]
         rows.append([f"{g} ({r.label})", a["residual"], num(d["norm_growth"], ".2f"),
                      num(d["cumulative_rotation"][-1], ".3f"), num(sink["mean_first_key_mass"], ".1%"),
                      f"{sink['layers_above_half']}/{sink['n_layers']}",
                      f"{d['dead_sublayers']}/{len(d['sublayers'])}" if "dead_sublayers" in d else "-",
                      num(signal["spearman_loss"], "+.3f") if signal else "-", a.get("windows", "")])
     paths = (fig.depth_panels(depth, colours, os.path.join(fig_dir, "depth.png")),
-             fig.confidence_panels(conf, colours, os.path.join(fig_dir, "confidence.png")))
+             fig.confidence_panels(conf, colours, os.path.join(fig_dir, "confidence.png")),
+             fig.router_load_heatmaps(loads, os.path.join(fig_dir, "router_load.png")))
     if not rows:
         return para("No analysed checkpoint (none found, or --analysis-tokens 0): no depth figures.", "note"), paths
     html_ = [table(["run (analysed seed)", "residual", "norm growth (last/first)", "cumulative rotation (rad)",
@@ -223,7 +226,12 @@ def depth_section(groups, colours, fig_dir) -> tuple:
                   "Rotation: running sum of the mean angle each sublayer turns the stream. BOS: mean attention mass "
                   "on key 0 of BOS-aligned windows (queries t >= 1). Gain: NAG's realised |alpha m warmup|.", "note"),
              "<h3>Confidence: NAG's final norm</h3>",
-             image(paths[1], "confidence by final norm", "no NAG run analysed")]
+             image(paths[1], "confidence by final norm", "no NAG run analysed"),
+             "<h3>Router load by layer</h3>",
+             image(paths[2], "router load by layer", "no MoE run analysed"),
+             para("Fraction of the routing slots each expert of each MoE layer received on the analysed "
+                  "validation tokens (nagmoe analyze, section router: also entropy, max/mean, CV, dead experts).",
+                  "note")]
     return "\n".join(html_), paths
 
 
@@ -425,10 +433,10 @@ def write_report(run_dirs: list, out_dir: str, title: Optional[str] = None, desc
     loss_png = fig.loss_curves(curves, colours, os.path.join(fig_dir, "loss_curves.png"))
     uni = next(iter(unigram.values())) if len(unigram) == 1 else None
     bpb_png = fig.val_bpb_points(points, colours, os.path.join(fig_dir, "val_bpb.png"), uni)
-    depth_html, (depth_png, conf_png) = depth_section(groups, colours, fig_dir)
+    depth_html, (depth_png, conf_png, router_png) = depth_section(groups, colours, fig_dir)
     dial_html, dial_png = dial_section(groups, nums, colours, fig_dir)
     made = {"loss_curves": loss_png, "val_bpb": bpb_png, "depth": depth_png, "confidence": conf_png,
-            "compute_dial": dial_png}
+            "router_load": router_png, "compute_dial": dial_png}
     for name, path in made.items():  # a figure of an earlier render that has nothing to show now
         stale = os.path.join(fig_dir, f"{name}.png")
         if path is None and os.path.exists(stale):

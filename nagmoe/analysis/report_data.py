@@ -170,7 +170,8 @@ def measure_checkpoint(record: RunRecord, out_dir: str, analysis_tokens: int, ev
     same = cache.get("run_dir") == record.run_dir and cache.get("checkpoint") == record.checkpoint
     problems = []
     if analysis_tokens:
-        if same and cache.get("analysis_tokens") == analysis_tokens and cache.get("analysis"):
+        if (same and cache.get("analysis_tokens") == analysis_tokens and cache.get("analysis")
+                and "router" in cache["analysis"]):  # analyses cached before the router section: redo
             record.analysis = cache["analysis"]
         else:
             log(f"[report] {record.label}: analysing {os.path.basename(record.checkpoint)} on {analysis_tokens} "

@@ -12,7 +12,8 @@ modules), the final decode state (the NAG log-norm), and the logits (loss, top-1
 
 Sections of the result: `depth` (analysis/depth.py), `attention_sink` (analysis/attention_sink.py), `confidence`
 (analysis/confidence.py), `mod` and `compute_dial` (analysis/compute_dial.py; "not available" for a run trained
-without MoD), `val_loss` (nats per token) and `val_bpb`, and `notes`.
+without MoD), `router` (nagmoe/model/router_health.py: per MoE layer entropy, max/mean load, CV, dead experts
+and the load matrix), `val_loss` (nats per token) and `val_bpb`, and `notes`.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from nagmoe.analysis.confidence import TokenRecords, confidence_report, entropy_
 from nagmoe.analysis.depth import GainAccumulator, StatsAverager, depth_report, realised_gain
 from nagmoe.errors import UserError
 from nagmoe.eval.core import LOGIT_BUDGET, inference_context
+from nagmoe.model.router_health import RouterTelemetry
 
 DEFAULT_TOKENS = 16384
 
@@ -77,6 +79,7 @@ class Measurements:
         self.gains = GainAccumulator(2 * n_layers)
         self.sink = SinkAccumulator(n_layers)
         self.tokens = TokenRecords()
+        self.router = RouterTelemetry()
         self.nats, self.n_tokens, self.bytes_nats, self.n_bytes = 0.0, 0, 0.0, 0
 
 
@@ -111,6 +114,7 @@ def measure(model, batches: Iterable, device, bos_id: Optional[int] = None,
             logits_BTV = out.logits.float()
             loss_BT = F.cross_entropy(logits_BTV.flatten(0, 1), y_BT.flatten(), reduction="none").view_as(y_BT)
             m.stats.add(out.stats, y_BT.numel())
+            m.router.add(model)
             m.nats += float(loss_BT.sum())
             m.n_tokens += y_BT.numel()
             if token_bytes_V is not None:
@@ -160,6 +164,8 @@ def analyze_model(model, batches: list, device="cpu", bos_id: Optional[int] = No
         "attention_sink": m.sink.report(),
         "confidence": confidence,
         "mod": mod_section(stats, model),
+        "router": (m.router.report() if not m.router.empty
+                   else "not applicable (dense FFN: no router)"),
     }
     if not nag:
         result["compute_dial"] = "not applicable (pre-norm run: no rotation score)"

@@ -84,7 +84,9 @@ class MoELayer(nn.Module):
     per-(rank, micro-batch) losses over ranks, which equals one process running those micro-batches in turn.
 
     After each forward, `last_stats` holds detached tensors of that call: `lb_loss`, `z_loss` (0-dim fp32,
-    unweighted) and `tokens_per_expert` (LongTensor (E,), routing slots per expert; sums to N·K).
+    unweighted), `tokens_per_expert` (LongTensor (E,), routing slots per expert; sums to N·K),
+    `router_entropy_sum` (the router distributions' entropy summed over the N tokens, nats) and
+    `router_tokens` (N): nagmoe.model.router_health reads them.
     """
 
     param_roles = {"w_in": MATRIX, "w_out": MATRIX}
@@ -157,7 +159,9 @@ class MoELayer(nn.Module):
         y_NKD = y_SD[unsort_S].view(N, K, D)
         y_ND = (y_NKD * gate_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(dim=1)
 
-        self.last_stats = {"lb_loss": lb.detach(), "z_loss": z.detach(), "tokens_per_expert": counts_E.detach()}
+        self.last_stats = {"lb_loss": lb.detach(), "z_loss": z.detach(), "tokens_per_expert": counts_E.detach(),
+                           "router_entropy_sum": torch.special.entr(probs_NE.detach()).sum(),
+                           "router_tokens": torch.tensor(N, device=probs_NE.device)}
         if not self.gate_scale_output:
             return y_ND.view(B, T, D), aux_loss
         s_N = gate_NK.sum(dim=1)  # the token's summed gate weight S (fp32)

@@ -39,6 +39,7 @@ from nagmoe.parallel.grad_sync import clip_grad_norm_, named_params, sync_expert
 from nagmoe.parallel.mesh import ParallelMesh
 from nagmoe.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from nagmoe.checkpoint.lease import RunDirLease
+from nagmoe.model.router_health import RouterTelemetry
 from nagmoe.train.metrics import MetricsWriter, truncate_metrics
 from nagmoe.train.optim import build_optimizers
 from nagmoe.train.guards import (
@@ -112,6 +113,7 @@ class Trainer:
 
         self._check_data()
         # one trainer per run dir (nagmoe.checkpoint.lease), taken before anything in it is read or written
+        self._router_interval = RouterTelemetry()  # routing since the last logged report
         self.lease = None
         mesh.on_rank0(lambda: self._take_lease(force))
         try:
@@ -289,6 +291,7 @@ class Trainer:
         self.model.set_injection_warmup(warm)
         loss_sum = aux_sum = 0.0
         model = self.engine if self.engine is not None else self.ddp if self.ddp is not None else self.model
+        self._step_router = RouterTelemetry()  # this step's routing, summed over its micro-batches
         for i in range(self.accum):
             x, y = next(self.loader)
             x, y = x.to(self.device), y.to(self.device)
@@ -297,6 +300,7 @@ class Trainer:
             with self.ddp.no_sync() if skip_sync else nullcontext():
                 with self.autocast:
                     out = model(x, y)
+                self._step_router.add(self.model)
                 if self.engine is not None:  # DeepSpeed divides by the micro-steps, reduces on the last one
                     self.engine.backward(out.loss + out.aux_loss, boundary=i == self.accum - 1)
                 else:
@@ -372,21 +376,28 @@ class Trainer:
                                        t.gate_collapse_stop))
         return t.gate_collapse_stop
 
-    def _moe_balance(self) -> Optional[float]:
-        """max/mean tokens per expert over MoE layers of the last micro-batch, summed over ranks (1 =
-        perfectly balanced)."""
-        counts = []
-        for sub in self.model.sublayers():
-            stats = getattr(sub, "last_stats", None)
-            if stats and "tokens_per_expert" in stats:
-                counts.append(stats["tokens_per_expert"].float())
-        if not counts:
-            return None
+    def _router_health(self, report: bool) -> tuple[Optional[float], Optional[dict]]:
+        """(worst layer's max/mean expert load of this optimizer step, summed over ranks (1 = balanced);
+        the per-layer router report of the steps since the last one (nagmoe.model.router_health) when
+        `report`). One all-reduce and one host read per step; the report adds one read at log steps."""
+        step = getattr(self, "_step_router", None)
+        if step is None or step.empty:
+            return None, None
+        flat = step.flat()
         if self.mesh.distributed:
-            sizes = [c.numel() for c in counts]
-            summed = torch.tensor(self.mesh.all_reduce(torch.cat(counts).tolist()))
-            counts = list(summed.split(sizes))
-        return max(float(c.max() / c.mean().clamp_min(1e-9)) for c in counts)
+            import torch.distributed as dist
+
+            dist.all_reduce(flat)
+        step = step.from_flat(flat)
+        self._router_interval.add_tensors(step.counts_LE, step.entropy_L, step.tokens_L)
+        counts = step.counts_LE
+        worst = float((counts.max(1).values / counts.mean(1).clamp_min(1e-9)).max())
+        if not report:
+            return worst, None
+        health = self._router_interval.report(self.mesh.ep)
+        health.pop("load")  # the L x E matrix stays out of every log line (nagmoe analyze has it)
+        self._router_interval = RouterTelemetry()
+        return worst, health
 
     def checkpoint(self) -> str:
         state = {"step": self.progress.step, "progress": self.progress.as_dict(),
@@ -430,8 +441,11 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 self.progress.wall_s = wall0 + time.perf_counter() - started
                 step, last = self.progress.step, self.should_stop()
+                logged = last or step % self.cfg.log.every == 0
+                worst_load, router = self._router_health(report=logged)
                 rec = {"step": step, "tokens": self.progress.tokens, "flops": self.progress.flops,
-                       **rec, "tokens_per_s": t.batch_tokens / dt, "moe_max_over_mean": self._moe_balance()}
+                       **rec, "tokens_per_s": t.batch_tokens / dt, "moe_max_over_mean": worst_load,
+                       **({"router": router} if router is not None else {})}
                 gate_stop = self._gate_check(rec)  # the gate-collapse alarm: a warning and metrics fields
                 if last or (t.eval_every and step % t.eval_every == 0):
                     val_bpb = rec["val_bpb"] = self.evaluate()

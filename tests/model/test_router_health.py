@@ -1,0 +1,63 @@
+"""Router and load telemetry (issue 22): the statistics of known counts, the metrics lines of a real run,
+and the analysis section."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from nagmoe.model.router_health import RouterTelemetry
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_statistics_of_known_counts():
+    tel = RouterTelemetry()
+    counts = torch.tensor([[4.0, 4.0, 4.0, 4.0], [13.0, 3.0, 0.0, 0.0]], dtype=torch.float64)
+    probs = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    entropy = torch.tensor([16 * math.log(4), 0.0], dtype=torch.float64)  # uniform; one-hot
+    tel.add_tensors(counts, entropy, torch.tensor([16.0, 16.0], dtype=torch.float64))
+    r = tel.report(ep=2)
+    assert r["max_over_mean"] == pytest.approx([1.0, 13 / 4])
+    assert r["cv"] == pytest.approx([0.0, float(counts[1].std(unbiased=False) / 4)])
+    assert r["dead"] == [0, 2] and r["entropy"] == pytest.approx([math.log(4), 0.0])
+    assert r["ep_max_over_mean"] == pytest.approx([1.0, 16 / 8])  # EP rank 0 holds experts 0-1
+    assert r["load"][1] == pytest.approx([13 / 16, 3 / 16, 0.0, 0.0])
+    assert float(torch.special.entr(probs).sum()) == pytest.approx(math.log(4))
+
+
+def test_a_run_logs_router_health_per_layer(micro_config, tmp_path):
+    from nagmoe.train.metrics import read_metrics
+    from nagmoe.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    run_dir = str(tmp_path / "run")
+    cfg = micro_config("train.max_steps=3", "log.every=2", "train.micro_batch_tokens=128")
+    Trainer(cfg, run_dir, quiet=True).run()
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    logged = [r for r in records if "router" in r]
+    assert [r["step"] for r in logged] == [2, 3]  # at log steps (and the last)
+    n_layers, n_experts = cfg.model.n_layers, cfg.model.moe.n_experts
+    for r in logged:
+        router = r["router"]
+        assert set(router) == {"entropy", "max_over_mean", "cv", "dead"}
+        assert all(len(v) == n_layers for v in router.values())
+        assert all(0 < e <= math.log(n_experts) + 1e-6 for e in router["entropy"])
+        assert all(0 <= d <= n_experts for d in router["dead"])
+    assert all(r["moe_max_over_mean"] >= 1.0 for r in records)
+
+
+def test_the_analysis_has_a_router_section():
+    sys.path.insert(0, os.path.join(REPO, "tests", "analysis"))
+    from analysis_models import randomize_outputs, tiny_model, token_batches
+
+    from nagmoe.analysis.run_analysis import analyze_model
+
+    model = tiny_model(ffn="moe")
+    randomize_outputs(model)
+    router = analyze_model(model, token_batches(), dial_rates=())["router"]
+    assert len(router["load"]) == 2 and all(sum(row) == pytest.approx(1.0) for row in router["load"])
+    assert len(router["max_over_mean"]) == 2 and "ep_max_over_mean" not in router
+    dense = analyze_model(tiny_model(ffn="dense"), token_batches(), dial_rates=())["router"]
+    assert isinstance(dense, str) and "dense" in dense
