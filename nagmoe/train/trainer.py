@@ -121,7 +121,7 @@ class Trainer:
             latest = mesh.on_rank0(lambda: resume_checkpoint(run_dir, force))  # refuses if none is valid
             if latest is not None:
                 self._log(f"verified {latest} in {time.perf_counter() - started:.1f} s")
-            if latest is not None:  # every rank: keys the run dir predates keep their legacy values
+                # every rank: the keys the run dir's config predates keep their legacy values
                 for key, value in adopt_legacy_values(run_dir, cfg).items():
                     self._log(f"{key}={value!r}: the run dir's config predates this key (its legacy value)")
             mesh.on_rank0(lambda: prepare_run_dir(run_dir, cfg, resuming=latest is not None, force=force))
