@@ -21,6 +21,8 @@ COMMANDS = {
     "generate": ["generate", "--run-dir", "run", "--prompt", "a", "--max-new-tokens", "2"],
     "consolidate": ["consolidate", "run"],
     "analyze": ["analyze", "--run-dir", "run", "--out", "analysis.json", "--tokens", "256"],
+    # the report renders what it can and lists a run it cannot read under "problems" (report.json)
+    "report": ["report", "run", "--out", "rep", "--eval-items", "4", "--analysis-tokens", "256"],
 }
 
 
@@ -58,7 +60,12 @@ def main(command: str, trained_run: str, work: str, out: str) -> None:
         refused = write_payload(checkpoint, name, marker)
         os.chdir(root)
         rc, err = run_captured(COMMANDS[command])
+        problems = []
+        if command == "report" and os.path.isfile(os.path.join(root, "rep", "report.json")):
+            with open(os.path.join(root, "rep", "report.json")) as f:
+                problems = json.load(f)["problems"]
         results[name] = {"rc": rc, "stderr": err, "marker": os.path.exists(marker), "refused": refused,
+                         "problems": problems,
                          "metadata": os.path.join("run", os.path.relpath(checkpoint, os.path.join(root, "run")),
                                                   ".metadata"),
                          "process_changed": builtins.open is not open_before or os.sep != sep_before}

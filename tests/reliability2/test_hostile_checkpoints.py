@@ -97,7 +97,7 @@ def test_the_allow_list_is_exact():
 # ----------------------------------------------------------------------------------------------------------
 # Every command that reads a checkpoint, every payload: one subprocess per command, the payloads in-process
 # ----------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("command", ["train", "eval", "generate", "consolidate", "analyze"])
+@pytest.mark.parametrize("command", ["train", "eval", "generate", "consolidate", "analyze", "report"])
 def test_every_command_refuses_every_payload(command, trained_run, tmp_path):
     out = str(tmp_path / "results.json")
     r = subprocess.run([sys.executable, os.path.join(HERE, "hostile_commands.py"), command, trained_run,
@@ -108,6 +108,12 @@ def test_every_command_refuses_every_payload(command, trained_run, tmp_path):
         results = json.load(f)
     assert sorted(results) == sorted(PAYLOADS)
     for name, got in results.items():
+        assert not got["marker"] and not got["process_changed"], (name, got)
+        if command == "report":  # renders the rest; the unreadable run is one problem line per reading
+            assert got["rc"] == 0 and "Traceback" not in got["stderr"], (name, got["stderr"][-2000:])
+            assert got["problems"] and all("\n" not in p for p in got["problems"]), (name, got["problems"])
+            assert any(got["metadata"] in p and got["refused"] in p for p in got["problems"]), (name, got)
+            continue
         lines = got["stderr"].strip().splitlines()
         assert got["rc"] == 2, (name, got)
         assert len(lines) == 1 and "Traceback" not in got["stderr"], (name, got["stderr"])
