@@ -17,8 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def nan_output_hook(module, inputs, output):
-    y, aux = output
-    return y * float("nan"), aux
+    y, *rest = output  # (y, aux) or, for a MoE feeding NAG, (y, aux, gate_scale)
+    return (y * float("nan"), *rest)
 
 
 def snapshot(trainer):
