@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from nagmoe.checkpoint import deepspeed_layout, torch_layout
-from nagmoe.checkpoint.files import read_checkpoint_state, verify_checkpoint
+from nagmoe.checkpoint.files import extra_with_step, read_checkpoint_state, verify_checkpoint
 from nagmoe.errors import UserError
 
 
@@ -26,6 +26,5 @@ def load_model_weights(path: str, model: nn.Module, verified: bool = False) -> d
         verify_checkpoint(path)
     if checkpoint_format(path) == deepspeed_layout.FORMAT:
         model.load_state_dict(deepspeed_layout.deepspeed_model_state(path, verified=True))
-        state = read_checkpoint_state(path)
-        return {**state["extra"], "step": state["step"]}
+        return extra_with_step(read_checkpoint_state(path))
     return torch_layout.load_checkpoint(path, model, None, restore_rng=False, verified=True)

@@ -45,11 +45,11 @@ def latest_valid_checkpoint(run_dir: str) -> Optional[str]:
     return chosen
 
 
-def recover_unfinished(run_dir: str, after_step: int) -> Optional[str]:
+def recover_unfinished(run_dir: str, after_step: int) -> Optional[tuple[str, int]]:
     """Publish the newest complete temporary directory (its manifest verifies) of a step after `after_step`
     (the newest valid checkpoint's): a save killed after its manifest but before its rename, e.g. between
     moving an invalid step_N away and renaming the replacement in. `.del-` directories are never recovered.
-    Returns the path published, or None. Run before anything of the run dir (metrics) is truncated."""
+    Returns (path published, step), or None. Run before anything of the run dir (metrics) is truncated."""
     for step, tmp in reversed(unfinished_writes(run_dir)):
         if step <= after_step or not is_valid_checkpoint(tmp):
             continue
@@ -60,7 +60,7 @@ def recover_unfinished(run_dir: str, after_step: int) -> Optional[str]:
         fsync_dir(os.path.dirname(final))
         log.warning("recovered checkpoint %s from the complete save %s (interrupted before it was published)",
                     final, tmp)
-        return final
+        return final, step
     return None
 
 
@@ -68,9 +68,9 @@ def run_history(run_dir: str) -> list[str]:
     """What of a started run the run dir holds: history files and checkpoint directories of any kind."""
     found = [name for name in HISTORY_FILES if os.path.exists(os.path.join(run_dir, name))]
     root = os.path.join(run_dir, CHECKPOINTS)
-    if os.path.isdir(root) and os.listdir(root):
-        found.append(f"{CHECKPOINTS}/ ({', '.join(sorted(os.listdir(root))[:3])}"
-                     f"{', ...' if len(os.listdir(root)) > 3 else ''})")
+    entries = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    if entries:
+        found.append(f"{CHECKPOINTS}/ ({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''})")
     return found
 
 
@@ -85,8 +85,8 @@ def resume_checkpoint(run_dir: str, force: bool = False) -> Optional[str]:
     if not os.path.isdir(run_dir):
         return None
     latest, step = _newest_valid(run_dir)
-    latest = recover_unfinished(run_dir, step) or latest
-    _warn_unfinished(run_dir, step if latest is None else int(os.path.basename(latest).split("_")[1]))
+    latest, step = recover_unfinished(run_dir, step) or (latest, step)
+    _warn_unfinished(run_dir, step)
     history = run_history(run_dir) if latest is None else []
     if history and not force:
         raise UserError(f"{run_dir}: holds {', '.join(history)}; of its checkpoints none is valid (warnings "

@@ -85,6 +85,7 @@ def _allowed_globals() -> dict:
     return allowed
 
 
+@lru_cache(maxsize=1)
 def _buildable_types() -> tuple:
     return tuple(v for v in _allowed_globals().values() if isinstance(v, type))
 

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from nagmoe.checkpoint.files import hash_threads, read_checkpoint_state, verify_checkpoint
+from nagmoe.checkpoint.files import extra_with_step, hash_threads, read_checkpoint_state, verify_checkpoint
 from nagmoe.checkpoint.publish import already_saved, publish, save_paths
 from nagmoe.checkpoint.rng import capture_rng_state, restore_rng_state
 from nagmoe.checkpoint.safe_dcp import safe_dcp_load
@@ -218,6 +218,4 @@ def load_checkpoint(path: str, model: nn.Module, optimizers=None, restore_rng: b
     if restore_rng:
         rngs = state["rng"]
         restore_rng_state(rngs[_rank()] if _rank() < len(rngs) else rngs[0])
-    extra = dict(state["extra"])
-    extra["step"] = state["step"]
-    return extra
+    return extra_with_step(state)

@@ -48,7 +48,7 @@ from torch import nn
 
 from nagmoe.checkpoint.deepspeed_layout import (FORMAT, check_deepspeed_state, load_deepspeed_file, read_own_state,
                                                 write_own_state)
-from nagmoe.checkpoint.files import verify_checkpoint
+from nagmoe.checkpoint.files import extra_with_step, verify_checkpoint
 from nagmoe.checkpoint.publish import already_saved, publish, save_paths
 from nagmoe.checkpoint.rng import capture_rng_state, restore_rng_state
 from nagmoe.errors import UserError
@@ -347,7 +347,7 @@ class DeepSpeedEngine:
         rank = dist.get_rank()
         tag = str(self.mesh.broadcast(os.getpid()))
         root, final, tmp = save_paths(run_dir, step, tag)
-        if self.mesh.broadcast(already_saved(final) if rank == 0 else None):
+        if self.mesh.on_rank0(lambda: already_saved(final)):
             return final  # on disk and valid: never replaced (nagmoe.checkpoint.publish)
         if rank == 0:
             os.makedirs(root, exist_ok=True)
@@ -367,15 +367,8 @@ class DeepSpeedEngine:
     def load_checkpoint(self, path: str, restore_rng: bool = True, verified: bool = False) -> dict:
         """Verify the manifest (rank 0), check the layout, load through DeepSpeed and our per-rank file;
         return the extra state with "step" set. Every file is read as plain data (PlainDataCheckpointEngine)."""
-        error = None
-        if dist.get_rank() == 0 and not verified:  # `verified`: the caller just did (one hash pass per load)
-            try:
-                verify_checkpoint(path)
-            except UserError as e:
-                error = str(e)
-        error = self.mesh.broadcast(error)
-        if error is not None:
-            raise UserError(error)
+        if not verified:  # `verified`: the caller just did (one hash pass per load)
+            self.mesh.on_rank0(lambda: verify_checkpoint(path))  # a UserError there is raised on every rank
         state = check_deepspeed_state(path, self.layout())
         root, tag = os.path.split(os.path.normpath(path))
         load_path, _ = self.ds.load_checkpoint(root, tag=tag, load_module_strict=True, load_optimizer_states=True,
@@ -390,6 +383,4 @@ class DeepSpeedEngine:
             self.own_optim.load_state_dict(own["optim"])
         if restore_rng:
             restore_rng_state(state["rng"][dist.get_rank()])
-        extra = dict(state["extra"])
-        extra["step"] = state["step"]
-        return extra
+        return extra_with_step(state)

@@ -114,6 +114,7 @@ class Trainer:
         self._check_data()
         # one trainer per run dir (nagmoe.checkpoint.lease), taken before anything in it is read or written
         self._router_interval = RouterTelemetry()  # routing since the last logged report
+        self._step_router = RouterTelemetry()  # the last optimizer step's routing (train_step refills it)
         self.lease = None
         mesh.on_rank0(lambda: self._take_lease(force))
         try:
@@ -380,8 +381,8 @@ class Trainer:
         """(worst layer's max/mean expert load of this optimizer step, summed over ranks (1 = balanced);
         the per-layer router report of the steps since the last one (nagmoe.model.router_health) when
         `report`). One all-reduce and one host read per step; the report adds one read at log steps."""
-        step = getattr(self, "_step_router", None)
-        if step is None or step.empty:
+        step = self._step_router
+        if step.empty:
             return None, None
         flat = step.flat()
         if self.mesh.distributed:
