@@ -98,6 +98,23 @@ def _leaf_values(obj, prefix: str = ""):
             yield f"{prefix}{f.name}", value
 
 
+def _check_mod_thresholds(mod) -> None:
+    if mod.threshold == "fixed":
+        if mod.p_thres is None:
+            raise ConfigError("model.mod.p_thres: required by model.mod.threshold=fixed (a rotation score in [0, 1))")
+        if not 0.0 <= mod.p_thres < 1.0:
+            raise ConfigError(f"model.mod.p_thres: {mod.p_thres} must be in [0, 1)")
+    elif mod.p_thres is not None:
+        raise ConfigError(f"model.mod.p_thres: only for model.mod.threshold=fixed (threshold is {mod.threshold!r})")
+    cap = mod.max_sublayer_skip
+    if cap is not None:
+        if not 0.0 < cap <= 1.0:
+            raise ConfigError(f"model.mod.max_sublayer_skip: {cap} must be in (0, 1] (or null for no ceiling)")
+        if mod.skip_rate > cap:
+            raise ConfigError(f"model.mod.max_sublayer_skip: {cap} is below model.mod.skip_rate={mod.skip_rate}: "
+                              "no sublayer may skip more than the ceiling, so the target cannot be met")
+
+
 def validate_config(cfg: Config) -> None:
     for key, v in _leaf_values(cfg):  # nan/inf parse as floats ("nan", ".inf") but are never a setting
         if isinstance(v, float) and not math.isfinite(v):
@@ -143,6 +160,7 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError(f"model.mod.skip_rate: {m.mod.skip_rate} must be in [0, 1)")
     if m.mod.skip_rate > 0 and m.residual != "nag":
         raise ConfigError("model.mod.skip_rate: MoD needs model.residual=nag (the rotation score routes)")
+    _check_mod_thresholds(m.mod)
     if m.nag.beta_init <= 0:
         raise ConfigError(f"model.nag.beta_init: {m.nag.beta_init} must be > 0")
     if cfg.data.seq_len > m.max_seq_len:

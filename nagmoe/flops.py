@@ -141,6 +141,25 @@ def flops_per_token(m: ModelConfig, seq_len: int, executed: Executed = None) -> 
     return 3.0 * forward_flops_per_token(m, seq_len, executed)["total"]
 
 
+def skippable_flops_per_sublayer(m: ModelConfig, seq_len: int) -> list[float]:
+    """Per sublayer (attention of block i at 2i, its FFN at 2i+1), the forward FLOPs per token that MoD saves
+    when the sublayer skips a token: what the budget stops charging. MoD's work weights (global threshold)."""
+    n = 2 * m.n_layers
+    full = forward_flops_per_token(m, seq_len)["total"]
+    return [full - forward_flops_per_token(m, seq_len, [0.0 if j == i else 1.0 for j in range(n)])["total"]
+            for i in range(n)]
+
+
+def executed_flops_per_token(m: ModelConfig, seq_len: int, executed: Executed, padded: Executed) -> float:
+    """Training FLOPs per token as executed: like `flops_per_token`, but attention's score/value rows are
+    charged for the padded query rows (`padded`: per sublayer, B·max-executed rows per token; MoD's ragged
+    executed queries run padded to the longest row) instead of the executed ones."""
+    fr, pad = _executed_per_sublayer(m, executed), _executed_per_sublayer(m, padded)
+    n_heads, _, hd = attention_heads(m)
+    extra = sum(4 * n_heads * hd * seq_len * (pad[2 * i] - fr[2 * i]) for i in range(m.n_layers))
+    return 3.0 * (forward_flops_per_token(m, seq_len, fr)["total"] + extra)
+
+
 def mod_token_ratio(m: ModelConfig, seq_len: int, executed: Executed) -> float:
     """Ideal tokens under a fixed FLOP budget, relative to full depth: F(executed=1) / F(executed)."""
     return flops_per_token(m, seq_len, 1.0) / flops_per_token(m, seq_len, executed)

@@ -95,6 +95,11 @@ class MoDConfig:
     start_tokens: int = 0  # skipping starts after this many tokens (>= the injection warm-up)
     # std of the base vectors X_l at init; 0 = zero (every token's update is its own branch's from the start)
     base_init_std: float = 0.0
+    # global: one threshold on the rotation score for every eligible sublayer, skipping skip_rate of the work |
+    # per_sublayer: one quantile per sublayer (skip_rate of every sublayer's tokens) | fixed: p_thres as given
+    threshold: str = "global"
+    p_thres: Optional[float] = None  # the threshold of threshold=fixed (required there, refused otherwise)
+    max_sublayer_skip: Optional[float] = 0.6  # ceiling on any sublayer's skipped token share; null = none
 
 
 @dataclass
@@ -194,6 +199,7 @@ CHOICES = {
     "model.nag.impl": ("auto", "eager", "compiled"),
     "model.moe.gate_grad": ("step_gain", "none"),
     "model.mod.sublayers": ("all", "attention", "ffn", "every_other"),
+    "model.mod.threshold": ("global", "per_sublayer", "fixed"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.optimizer": ("muon", "adamw"),
     "train.nonfinite": ("halt", "skip"),
@@ -226,6 +232,8 @@ NON_NEGATIVE = (
 LEGACY_VALUES = {
     "model.moe.gate_grad": "none",
     "model.mod.base_init_std": 0.02,
+    "model.mod.threshold": "per_sublayer",
+    "model.mod.max_sublayer_skip": None,
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract.
 RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every")

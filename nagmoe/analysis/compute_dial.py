@@ -1,15 +1,18 @@
 """Mixture-of-Depths readings: the realised skip rate per sublayer, and the post-training compute dial (validation
 loss and executed FLOPs when inference skips 0, 10, 20, 30, 40% of the eligible sublayer work).
 
-This module only *reads* MoD (nagmoe/model/mod.py owns it), through three names:
-- `Transformer.mod_calibrator()`: the stream's `MoDCalibrator` (eligible sublayers, target skip rate), or None
-  for a model trained without MoD;
-- `Transformer.set_mod_skip_rate(rate)`: the dial, thresholds for `rate` from the saved score histograms;
+This module only *reads* MoD (nagmoe/model/mod_calibration.py owns it), through three names:
+- `Transformer.mod_calibrator()`: the stream's `MoDCalibrator` (eligible sublayers, work weights, target, the
+  counters of eval-mode forwards), or None for a model trained without MoD;
+- `Transformer.set_mod_skip_rate(rate, level)`: thresholds from the saved score histograms;
 - `ModelOutput.stats["executed_frac"]` (`EXECUTED_KEY`): per sublayer, the fraction of tokens that executed it
   in that forward (1 where MoD does not apply).
-Without MoD the JSON says "not available" with a note. The realised skip rate is 1 - the mean executed fraction
-over the *eligible* sublayers (the quantity `model.mod.skip_rate` targets).
+Without MoD the JSON says "not available" with a note. The realised skip rate is the skipped share of the
+eligible sublayers' work (work weights: the FLOP accounting's skippable FLOPs per sublayer), the quantity
+`model.mod.skip_rate` targets; the plain token mean is reported beside it.
 
+The dial is exact: each rate is calibrated by a few fixed-point passes on calibration tokens
+(`calibrate_skip_rate`), then measured on other tokens; requested vs realised are both in its rows.
 Executed FLOPs are inference (forward) FLOPs per token, `nagmoe.flops.forward_flops_per_token(model_cfg, seq_len,
 executed=realised fractions)["total"]`, so K/V, embeddings, unembedding and gates stay paid for skipped tokens.
 `run_dial` restores the calibrator's saved state (the trained thresholds) afterwards.
@@ -19,6 +22,8 @@ from __future__ import annotations
 from typing import Callable, Iterable, Optional, Sequence
 
 DIAL_RATES = (0.0, 0.1, 0.2, 0.3, 0.4)
+DIAL_PASSES = 4  # fixed-point passes of the dial's calibration
+DIAL_TOLERANCE = 0.002  # stop calibrating once the realised rate is this close
 EXECUTED_KEY = "executed_frac"
 NOT_AVAILABLE = "not available"
 
@@ -29,10 +34,13 @@ def mod_calibrator(model):
     return getter() if callable(getter) else None
 
 
-def realised_skip_rate(executed: Sequence[float], eligible: Optional[Sequence[bool]] = None) -> float:
-    """1 - mean executed fraction over the eligible sublayers (all when `eligible` is None)."""
-    chosen = [e for e, ok in zip(executed, eligible or [True] * len(executed)) if ok]
-    return 1.0 - sum(chosen) / len(chosen)
+def realised_skip_rate(executed: Sequence[float], eligible: Optional[Sequence[bool]] = None,
+                       weights: Optional[Sequence[float]] = None) -> float:
+    """The skipped share of the eligible sublayers' work, Σ w_l (1 − f_l) / Σ w_l (all eligible when `eligible`
+    is None; w_l = 1 when `weights` is None: the mean executed fraction)."""
+    n = len(executed)
+    pairs = [(w, f) for f, ok, w in zip(executed, eligible or [True] * n, weights or [1.0] * n) if ok]
+    return sum(w * (1.0 - f) for w, f in pairs) / sum(w for w, _ in pairs)
 
 
 def mod_section(stats: dict, model=None) -> object:
@@ -43,8 +51,10 @@ def mod_section(stats: dict, model=None) -> object:
         return NOT_AVAILABLE
     calibrator = mod_calibrator(model) if model is not None else None
     eligible = list(calibrator.eligible_list) if calibrator is not None else None
+    weights = calibrator.work_weight.tolist() if calibrator is not None else None
     out = {"skip_rate_per_sublayer": [1.0 - e for e in executed], "executed_frac_per_sublayer": executed,
-           "realised_skip_rate": realised_skip_rate(executed, eligible)}
+           "realised_skip_rate": realised_skip_rate(executed, eligible, weights),
+           "realised_skip_rate_tokens": realised_skip_rate(executed, eligible)}
     if "score_mean" in stats:
         out["rotation_score_mean_per_sublayer"] = stats["score_mean"]
     if calibrator is not None:
@@ -57,6 +67,35 @@ def mod_section(stats: dict, model=None) -> object:
     return out
 
 
+def calibrate_skip_rate(model, rate: float, run_forwards: Callable[[], None], passes: int = DIAL_PASSES) -> dict:
+    """Thresholds that realise skip rate `rate` on the tokens `run_forwards()` feeds the model (eval-mode
+    forwards): the histogram quantiles of the saved scores at level ℓ (ℓ_0 = rate) miss it, because scores
+    outside training differ from the decayed training histograms; a few fixed-point passes
+    ℓ <- ℓ + (rate − realised(ℓ)) correct that (per sublayer in per_sublayer mode, where each sublayer
+    targets its own token share; the work-weighted skip otherwise). The model keeps the last measured
+    thresholds. Returns {"requested", "calibrated" (realised on the calibration tokens), "level", "passes"}."""
+    cal = mod_calibrator(model)
+    per_sublayer = cal.mode == "per_sublayer"
+    level = [rate] * cal.n_sublayers if per_sublayer else rate
+    realised = 0.0
+    for done in range(1, passes + 1):
+        model.set_mod_skip_rate(rate, level)
+        if rate == 0:
+            break
+        cal.reset_inference_counts()
+        run_forwards()
+        executed = cal.inference_fractions() or [1.0] * cal.n_sublayers
+        realised = cal.skip_rate_of(executed)
+        if done == passes or abs(realised - rate) <= DIAL_TOLERANCE:
+            break
+        if per_sublayer:
+            level = [min(0.99, max(0.0, lv + rate - (1.0 - f))) for lv, f in zip(level, executed)]
+        else:
+            level = min(0.99, max(0.0, level + rate - realised))
+    cal.reset_inference_counts()
+    return {"requested": float(rate), "calibrated": realised, "level": level, "passes": done}
+
+
 def executed_flops_per_token(model_cfg, seq_len: int, executed: Optional[list]) -> float:
     """Forward (inference) FLOPs per token with the given executed fractions (None = full depth)."""
     from nagmoe.flops import forward_flops_per_token
@@ -66,34 +105,42 @@ def executed_flops_per_token(model_cfg, seq_len: int, executed: Optional[list]) 
 
 def compute_dial(model, model_cfg, seq_len: int, evaluate: Callable[[], tuple[float, Optional[float], dict]],
                  set_skip_rate: Callable, rates: Iterable[float] = DIAL_RATES,
-                 eligible: Optional[Sequence[bool]] = None) -> list[dict]:
-    """For each rate: `set_skip_rate(model, rate)`, then `evaluate() -> (val_loss, val_bpb, averaged stats)`;
-    report the loss, bpb, the realised skip rate and executed fraction per sublayer, and the executed forward
-    FLOPs per token (also relative to full depth)."""
+                 eligible: Optional[Sequence[bool]] = None, weights: Optional[Sequence[float]] = None) -> list[dict]:
+    """For each rate: `set_skip_rate(model, rate)` (which may return its calibration, a dict), then
+    `evaluate() -> (val_loss, val_bpb, averaged stats)`; report the loss, bpb, the realised (work-weighted)
+    skip rate and executed fraction per sublayer, and the executed forward FLOPs per token (also relative to
+    full depth)."""
     full = executed_flops_per_token(model_cfg, seq_len, None)
     rows = []
     for rate in rates:
-        set_skip_rate(model, float(rate))
+        calibration = set_skip_rate(model, float(rate))
         loss, bpb, stats = evaluate()
         executed = stats.get(EXECUTED_KEY)
         flops = executed_flops_per_token(model_cfg, seq_len, executed)
         rows.append({"skip_rate": float(rate), "val_loss": loss, "val_bpb": bpb,
-                     "realised_skip_rate": realised_skip_rate(executed, eligible) if executed else None,
+                     "realised_skip_rate": realised_skip_rate(executed, eligible, weights) if executed else None,
                      "executed_frac_per_sublayer": executed, "forward_flops_per_token": flops,
-                     "flops_vs_full_depth": flops / full})
+                     "flops_vs_full_depth": flops / full,
+                     **({"calibrated_skip_rate": calibration["calibrated"], "calibration_passes": calibration["passes"]}
+                        if isinstance(calibration, dict) else {})})
     return rows
 
 
-def run_dial(model, seq_len: int, evaluate: Callable, rates: Iterable[float] = DIAL_RATES) -> object:
-    """The dial of a MoD model (NOT_AVAILABLE without a calibrator), leaving its trained thresholds in place."""
+def run_dial(model, seq_len: int, evaluate: Callable, rates: Iterable[float] = DIAL_RATES,
+             calibrate_forwards: Optional[Callable[[], None]] = None) -> object:
+    """The dial of a MoD model (NOT_AVAILABLE without a calibrator), leaving its trained thresholds in place.
+    With `calibrate_forwards` (forwards on tokens other than those `evaluate` measures) each rate is
+    calibrated first (`calibrate_skip_rate`), so the realised rate on the evaluated tokens is the asked one."""
     calibrator = mod_calibrator(model)
     if calibrator is None:
         return NOT_AVAILABLE
     saved = {k: v.clone() for k, v in calibrator.state_dict().items()}
     saved_rate = calibrator.skip_rate
     try:
-        return compute_dial(model, model.config, seq_len, evaluate, lambda m, r: m.set_mod_skip_rate(r), rates,
-                            calibrator.eligible_list)
+        set_rate = ((lambda m, r: calibrate_skip_rate(m, r, calibrate_forwards)) if calibrate_forwards is not None
+                    else (lambda m, r: m.set_mod_skip_rate(r)))
+        return compute_dial(model, model.config, seq_len, evaluate, set_rate, rates, calibrator.eligible_list,
+                            calibrator.work_weight.tolist())
     finally:
         calibrator.load_state_dict(saved)
         calibrator.skip_rate = saved_rate

@@ -70,6 +70,17 @@ def validation_batches(data_dir: str, seq_len: int, batch_rows: int, max_tokens:
             for i in range(0, len(rows), batch_rows)], "bos_aligned"
 
 
+def split_batches(batches: list, tokens: int) -> tuple[list, list]:
+    """(the first batches holding up to `tokens` tokens (at least one batch), the rest)."""
+    head, seen = [], 0
+    for i, (x, _) in enumerate(batches):
+        if head and seen + x.numel() > tokens:
+            return head, batches[i:]
+        head.append((x, _))
+        seen += x.numel()
+    return head, []
+
+
 # ----------------------------------------------------------------------------------------------------------
 # One measuring pass
 # ----------------------------------------------------------------------------------------------------------
@@ -143,8 +154,9 @@ def _loss_bpb(m: Measurements) -> tuple[float, Optional[float]]:
 # ----------------------------------------------------------------------------------------------------------
 def analyze_model(model, batches: list, device="cpu", bos_id: Optional[int] = None,
                   token_bytes_V: Optional[torch.Tensor] = None, seq_len: Optional[int] = None, n_bins: int = 10,
-                  dial_rates: Iterable[float] = DIAL_RATES) -> dict:
-    """All sections for `model` on `batches` of (x_BT, y_BT)."""
+                  dial_rates: Iterable[float] = DIAL_RATES, calibration_batches: Optional[list] = None) -> dict:
+    """All sections for `model` on `batches` of (x_BT, y_BT). The compute dial calibrates each rate on
+    `calibration_batches` (tokens disjoint from `batches`) when given, then measures on `batches`."""
     cfg = model.config
     nag = cfg.residual == "nag"
     seq_len = seq_len or batches[0][0].shape[1]
@@ -174,7 +186,11 @@ def analyze_model(model, batches: list, device="cpu", bos_id: Optional[int] = No
             md = measure(model, batches, device, bos_id, token_bytes_V, detailed=False)
             return (*_loss_bpb(md), md.stats.mean())
 
-        result["compute_dial"] = run_dial(model, seq_len, evaluate, dial_rates)
+        def calibrate_forwards():
+            measure(model, calibration_batches, device, bos_id, token_bytes_V, detailed=False)
+
+        result["compute_dial"] = run_dial(model, seq_len, evaluate, dial_rates,
+                                          calibrate_forwards if calibration_batches else None)
     if result["mod"] == NOT_AVAILABLE:
         notes.append("mod: this model was trained without MoD (model.mod.skip_rate=0): no skip rates, no dial")
     result["notes"] = notes
@@ -193,9 +209,15 @@ def analyze_run(run_dir: str, device: str = "cpu", max_tokens: int = DEFAULT_TOK
     cfg = run.config
     seq_len = cfg.data.seq_len
     rows = max(1, min(batch_rows, LOGIT_BUDGET // (seq_len * cfg.model.vocab_size)))
-    batches, windows = validation_batches(cfg.data.data_dir, seq_len, rows, max_tokens, cfg.data.verify_shards)
-    result = analyze_model(run.model, batches, device, run.bos_id, token_bytes(cfg.data.data_dir), seq_len, n_bins)
+    # twice the tokens: the first half analysed, the rest calibrates the compute dial (disjoint tokens)
+    both, windows = validation_batches(cfg.data.data_dir, seq_len, rows, 2 * max_tokens, cfg.data.verify_shards)
+    batches, calibration = split_batches(both, max_tokens)
+    result = analyze_model(run.model, batches, device, run.bos_id, token_bytes(cfg.data.data_dir), seq_len, n_bins,
+                           calibration_batches=calibration or batches)
     result = {"run_dir": os.path.abspath(run_dir), "checkpoint": run.checkpoint, "windows": windows, **result}
     if windows != "bos_aligned":
         result["notes"].append("windows: no BOS-aligned validation window fits; key 0 is not a BOS")
+    if not calibration and run.model.mod_calibrator() is not None:
+        result["notes"].append("compute_dial: calibrated on the analysed tokens (the validation split holds no "
+                               "more): its realised rates are in-sample")
     return result

@@ -40,12 +40,13 @@ def run(args) -> int:
     elif device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device: cuda was asked for but no CUDA device is visible")
     run_ = load_run(args.run_dir, device)
+    dial = None
     if args.skip_rate is not None:
-        set_skip_rate(run_, args.skip_rate)
+        dial = set_skip_rate(run_, args.skip_rate)
     completion = generate_text(run_, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None,
                                args.seed)
     print(args.prompt + completion)
-    report = mod_report(run_)
+    report = mod_report(run_, dial)
     if report is not None:
         import sys
 

@@ -49,6 +49,7 @@ def load_run(run_dir: str, device: str = "cpu") -> LoadedRun:
     _check_tokenizer_matches_data(cfg.data.data_dir, tok_path)
     tokenizer.encode_special_tokens = True  # as the training documents were encoded
     model = build_model(cfg.model)
+    model.set_mod_seq_len(cfg.data.seq_len)  # MoD's work weights as in training
     load_model_weights(checkpoint, model, verified=True)  # either engine's layout; verified just above
     return LoadedRun(model.to(device).eval(), tokenizer, bos_id(tokenizer, tok_path), cfg, checkpoint)
 
@@ -67,18 +68,49 @@ def _check_tokenizer_matches_data(data_dir: str, tok_path: str) -> None:
                         f"{os.path.join(data_dir, shards.INDEX)}); restore it or re-prepare the data")
 
 
-def set_skip_rate(run: LoadedRun, rate: float) -> None:
-    """Thresholds for skip rate `rate` from the run's score histograms (MoD runs only; UserError otherwise)."""
-    run.model.set_mod_skip_rate(rate)
+CALIBRATION_TOKENS = 16384  # validation tokens the dial calibrates on
 
 
-def mod_report(run: LoadedRun) -> Optional[str]:
-    """One line on the skipping of the forwards so far (None for a model without MoD or before any)."""
+def set_skip_rate(run: LoadedRun, rate: float, tokens: int = CALIBRATION_TOKENS) -> Optional[dict]:
+    """Thresholds that realise skip rate `rate` (MoD runs only; UserError otherwise): read from the run's
+    score histograms, then calibrated by a few fixed-point passes on up to `tokens` validation tokens
+    (nagmoe.analysis.compute_dial.calibrate_skip_rate). Returns the calibration (None when the run's
+    validation split is gone: then the histogram quantiles are used as they are)."""
+    from nagmoe.analysis.compute_dial import calibrate_skip_rate
+    from nagmoe.data import shards
+    from nagmoe.data.loader import TokenShards, iter_eval_batches
+
+    run.model.set_mod_skip_rate(rate)  # refuses a model without MoD before any data is read
+    data_dir = run.config.data.data_dir
+    if not os.path.isfile(os.path.join(data_dir, shards.INDEX)):
+        return None
+    val = TokenShards(data_dir, "val", verify=run.config.data.verify_shards)
+    device = next(run.model.parameters()).device
+    seq_len = run.config.data.seq_len
+    batches = list(iter_eval_batches(val, seq_len, max(1, 4096 // seq_len), max_tokens=tokens))
+
+    @torch.no_grad()
+    def forwards():
+        for x_BT, _ in batches:
+            run.model(x_BT.to(device))
+
+    out = calibrate_skip_rate(run.model, rate, forwards)
+    out["tokens"] = sum(x.numel() for x, _ in batches)
+    return out
+
+
+def mod_report(run: LoadedRun, dial: Optional[dict] = None) -> Optional[str]:
+    """One line on the skipping of the forwards so far (None for a model without MoD or before any), with the
+    dial's request and its calibration when one was set."""
     mod = run.model.mod_calibrator()
     rate = mod.inference_skip_rate() if mod is not None else None
     if rate is None:
         return None
-    return f"MoD: skipped {rate:.1%} of eligible sublayer work (thresholds for skip rate {mod.skip_rate:g})"
+    line = f"MoD: skipped {rate:.1%} of eligible sublayer work"
+    if dial is None:
+        return line + f" (thresholds for skip rate {mod.skip_rate:g})"
+    return line + (f" (asked {dial['requested']:.1%}; calibrated to {dial['calibrated']:.1%} on {dial['tokens']:,} "
+                   f"validation tokens in {dial['passes']} passes)")
 
 
 def sample_next(logits_BV: torch.Tensor, temperature: float, top_k: Optional[int],

@@ -30,7 +30,9 @@ from torch import nn
 
 from nagmoe.model.roles import GATE, SCALAR
 from nagmoe.model.common import rms_norm
-from nagmoe.model.mod import MoDCalibrator, eligible_sublayers
+from nagmoe.flops import skippable_flops_per_sublayer
+from nagmoe.model.mod import eligible_sublayers
+from nagmoe.model.mod_calibration import MoDCalibrator
 from nagmoe.model.nag import modulator, rms_normalise, rotation_score
 from nagmoe.model.stats import StatsCollector, mean_angle, mean_log_rms, mean_rms
 from nagmoe.ops.nag_fused import NAGOps, resolve_nag_backend
@@ -196,8 +198,13 @@ class NAGResidual(ResidualStream):
         self.ops = NAGOps(self.impl)
         self.mod = None
         if mod.skip_rate > 0:  # skipping starts after the injection warm-up (and model.mod.start_tokens)
+            # work weights at max_seq_len; the trainer and the run loaders re-set them at data.seq_len
             self.mod = MoDCalibrator(n_sublayers, mod.skip_rate, eligible_sublayers(n_sublayers // 2, mod.sublayers),
-                                     start_tokens=max(mod.start_tokens, nag.warmup_tokens))
+                                     start_tokens=max(mod.start_tokens, nag.warmup_tokens),
+                                     mode=getattr(mod, "threshold", "per_sublayer"),
+                                     work_weights=skippable_flops_per_sublayer(model_cfg, model_cfg.max_seq_len),
+                                     max_sublayer_skip=getattr(mod, "max_sublayer_skip", None),
+                                     p_thres=getattr(mod, "p_thres", None))
         # Injection warm-up factor in [0, 1], set by the trainer each step; not saved (the trainer re-sets it).
         self.register_buffer("injection_warmup", torch.ones((), dtype=torch.float32), persistent=False)
 

@@ -144,13 +144,24 @@ class Transformer(nn.Module):
         fractions = mod.run_executed_fractions()
         return {"skip_rate": mod.skip_rate_of(fractions), "executed_fractions": fractions}
 
-    def set_mod_skip_rate(self, rate: float) -> None:
-        """The post-training compute dial: thresholds for another skip rate from the saved score histograms."""
+    def set_mod_seq_len(self, seq_len: int) -> None:
+        """MoD's work weights at the sequence length the run trains at (data.seq_len; the attention scores'
+        share of a sublayer's work grows with it). No-op without MoD."""
+        mod = self.mod_calibrator()
+        if mod is not None:
+            from nagmoe.flops import skippable_flops_per_sublayer
+
+            mod.set_work_weights(skippable_flops_per_sublayer(self.config, seq_len))
+
+    def set_mod_skip_rate(self, rate: float, level=None) -> None:
+        """The post-training compute dial: thresholds for another skip rate from the saved score histograms
+        (`level`: the histogram level to read them at, default `rate`; nagmoe.analysis.compute_dial calibrates
+        it so that the realised rate is `rate`)."""
         mod = self.mod_calibrator()
         if mod is None:
             raise UserError("--skip-rate: this model was trained without MoD (model.mod.skip_rate=0): it has no "
                             "base vectors or score histograms")
-        mod.set_skip_rate(rate)
+        mod.set_skip_rate(rate, level)
 
     def new_cache(self, max_len: Optional[int] = None) -> InferenceCache:
         """An empty decoding state for up to `max_len` positions (default model.max_seq_len)."""

@@ -40,6 +40,7 @@ from nagmoe.parallel.mesh import ParallelMesh
 from nagmoe.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from nagmoe.checkpoint.lease import RunDirLease
 from nagmoe.model.router_health import RouterTelemetry
+from nagmoe.train.mod_accounting import ModAccount
 from nagmoe.train.metrics import MetricsWriter, truncate_metrics
 from nagmoe.train.optim import build_optimizers
 from nagmoe.train.guards import (
@@ -58,10 +59,11 @@ class Progress:
     flops: float = 0.0
     wall_s: float = 0.0  # training wall time summed over resumes
     nonfinite_skipped: int = 0  # steps whose update was dropped (train.nonfinite=skip; nagmoe.train.guards)
+    mod_account: Optional[dict] = None  # MoD's realised skipping over the run (nagmoe.train.mod_accounting)
 
     def as_dict(self) -> dict:
         return {"step": self.step, "tokens": self.tokens, "flops": self.flops, "wall_s": self.wall_s,
-                "nonfinite_skipped": self.nonfinite_skipped}
+                "nonfinite_skipped": self.nonfinite_skipped, "mod_account": self.mod_account}
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -129,6 +131,7 @@ class Trainer:
 
             torch.manual_seed(t.seed)
             self.model = build_model(m).to(self.device)  # the full model on every rank (same seed, same init) ...
+            self.model.set_mod_seq_len(cfg.data.seq_len)  # MoD's work weights: what the budget charges
             if getattr(t, "activation_checkpointing", False):  # nagmoe/train/speed.py
                 enable_activation_checkpointing(self.model)
             if t.compile:
@@ -162,6 +165,9 @@ class Trainer:
                 self.progress = Progress(**state["progress"])
                 self.loader.load_state_dict(state["loader"])
                 self._log(f"resumed from {latest} at step {self.progress.step}")
+            calibrator = self.model.mod_calibrator()
+            self.mod_account = None if calibrator is None else ModAccount(
+                m, cfg.data.seq_len, calibrator, self.progress.mod_account, self.progress.step)
             if self.rank == 0:  # also from step 0: a run killed before its first checkpoint logged steps already
                 truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), self.progress.step)
             # DDP for the replicated parameters (after the load: its start-up broadcast then changes nothing)
@@ -334,9 +340,10 @@ class Trainer:
         p.flops += self.step_flops()
         p.step += 1
         p.tokens += t.batch_tokens
-        mod = {} if self.mod_executed is None else {
-            "skip_rate": self.model.mod_calibrator().skip_rate_of(self.mod_executed),
-            "executed_fractions": self.mod_executed}
+        mod = {}
+        if self.mod_account is not None:
+            mod = self.mod_account.record(t.batch_tokens)
+            p.mod_account = self.mod_account.state
         guard = {"nonfinite_skipped": p.nonfinite_skipped} if t.nonfinite == "skip" else {}
         return {"loss": loss_sum / self.accum, "aux_loss": aux_sum / self.accum, "lr": t.lr_matrix * lr_mult,
                 "lr_mult": lr_mult, "grad_norm": float(grad_norm), "injection_warmup": warm, **mod, **guard}
@@ -476,8 +483,8 @@ class Trainer:
                    "skip_rate": 0.0, "executed_fractions": self.executed_fractions(),
                    "flop_budget": t.flop_budget, "residual": self.cfg.model.residual,
                    "ffn": self.cfg.model.ffn}
-        if self.model.mod_calibrator() is not None:  # MoD: realised skip rate and fractions over the whole run
-            summary.update(self.model.mod_summary())
+        if self.mod_account is not None:  # MoD: realised skipping (skipping steps, and the whole run)
+            summary.update(self.mod_account.summary())
         if self.rank == 0:
             write_summary(self.run_dir, summary)
         if self.wandb is not None:

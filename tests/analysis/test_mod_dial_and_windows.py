@@ -24,8 +24,9 @@ def test_without_mod_the_sections_say_not_available():
 
 @pytest.fixture(scope="module")
 def calibrated_mod_model():
-    """Tiny NAG model with MoD at 20% on every sublayer, thresholds calibrated on the batches it is analysed on."""
-    model = tiny_model("nag", mod=MoDConfig(skip_rate=0.2, sublayers="all"))
+    """Tiny NAG model with MoD at 20% on every sublayer (one quantile per sublayer), thresholds calibrated on the
+    batches it is analysed on."""
+    model = tiny_model("nag", mod=MoDConfig(skip_rate=0.2, sublayers="all", threshold="per_sublayer"))
     randomize_outputs(model)
     batches = token_batches(4, rows=4)
     model.train()
@@ -54,6 +55,28 @@ def test_mod_section_and_dial_on_a_calibrated_model(calibrated_mod_model):
     assert all(a > b for a, b in zip(flops, flops[1:]))
     assert all(math.isfinite(row["val_loss"]) and row["val_loss"] > 0 for row in dial)
     assert torch.equal(model.mod_calibrator().threshold, thresholds)  # the trained thresholds are back
+
+
+def test_the_dial_is_exact_on_tokens_it_did_not_calibrate_on():
+    """Global thresholds: each rate calibrated on some batches realises the asked work-weighted skip within 2
+    points on other batches; without the calibration the histogram quantiles alone miss it."""
+    model = tiny_model("nag", mod=MoDConfig(skip_rate=0.2, sublayers="all"))
+    randomize_outputs(model)
+    batches = token_batches(24, rows=8)
+    train, calibration, measured = batches[:4], batches[4:14], batches[14:]
+    model.train()
+    with torch.no_grad():
+        for x, _ in train:
+            model(x)
+    model.mod_update()
+    model.eval()
+    dial = analyze_model(model, measured, bos_id=BOS, dial_rates=(0.1, 0.2, 0.4),
+                         calibration_batches=calibration)["compute_dial"]
+    for row in dial:
+        assert abs(row["calibrated_skip_rate"] - row["skip_rate"]) <= 0.01, row
+        assert abs(row["realised_skip_rate"] - row["skip_rate"]) <= 0.02, row
+    per_sublayer = [row["executed_frac_per_sublayer"] for row in dial]
+    assert max(per_sublayer[1]) - min(per_sublayer[1]) > 0.05  # one threshold: sublayers skip differently
 
 
 def test_compute_dial_counts_executed_flops_of_eligible_sublayers():

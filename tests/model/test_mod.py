@@ -11,8 +11,8 @@ from nagmoe.errors import UserError
 from nagmoe.flops import flops_per_token
 from nagmoe.model import build_model
 from nagmoe.model.attention import attention_at_positions, causal_attention
-from nagmoe.model.mod import (EXECUTE_ALL, ExecutedTokens, MoDCalibrator, eligible_sublayers, histogram_quantile,
-                              run_on_executed)
+from nagmoe.model.mod_calibration import EXECUTE_ALL, MoDCalibrator, histogram_quantile
+from nagmoe.model.mod import ExecutedTokens, eligible_sublayers, run_on_executed
 from nagmoe.model.nag import nag_update
 from nagmoe.model.residual import NAGState
 from test_flops import flop_counter  # FlopCounterMode with the corrected grouped-conv backward (decisions.md)
@@ -27,11 +27,15 @@ ATTENTIONS = {
 }
 
 
-def mod_model(attention="cca", impl="sdpa", ffn="dense", skip_rate=0.3, seed=0, sublayers="all"):
+THRESHOLD_MODES = {"global": {}, "per_sublayer": {}, "fixed": {"p_thres": 0.5}}
+
+
+def mod_model(attention="cca", impl="sdpa", ffn="dense", skip_rate=0.3, seed=0, sublayers="all", threshold="global"):
     torch.manual_seed(seed)
     # a nonzero X_l (the legacy init; the default starts it at zero) so that skipped tokens move too
     cfg = tiny_config("nag", impl, attention=dict(ATTENTIONS[attention]), ffn=ffn,
-                      mod=MoDConfig(skip_rate=skip_rate, sublayers=sublayers, base_init_std=0.02))
+                      mod=MoDConfig(skip_rate=skip_rate, sublayers=sublayers, base_init_std=0.02, threshold=threshold,
+                                    **THRESHOLD_MODES[threshold]))
     if ffn == "moe":
         cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.expert_hidden = 4, 2, 32
     model = build_model(cfg)
@@ -227,8 +231,9 @@ def test_skipped_token_update_is_the_base_vector_update_and_gates_learn_from_it(
 # ----------------------------------------------------------------------------------------------------------
 # Causality and decoding
 # ----------------------------------------------------------------------------------------------------------
-def test_skip_decisions_are_causal():
-    model = calibrate(mod_model("ccgqa", "sdpa", "moe"), _idx(seed=9)).eval()
+@pytest.mark.parametrize("threshold", list(THRESHOLD_MODES))
+def test_skip_decisions_are_causal(threshold):
+    model = calibrate(mod_model("ccgqa", "sdpa", "moe", threshold=threshold), _idx(seed=9)).eval()
     idx = _idx(T=24, seed=1)
     changed = idx.clone()
     changed[:, 14:] = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(2))
@@ -250,9 +255,10 @@ def test_skip_decisions_are_causal():
     torch.testing.assert_close(a_logits[:, :14], b_logits[:, :14], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["gqa", "cca"])
-def test_cached_decoding_makes_the_full_forwards_decisions(attention):
-    model = calibrate(mod_model(attention, "sdpa", "moe"), _idx(seed=4)).eval()
+@pytest.mark.parametrize("attention, threshold", [("gqa", "global"), ("cca", "global"), ("cca", "per_sublayer"),
+                                                  ("cca", "fixed")])
+def test_cached_decoding_makes_the_full_forwards_decisions(attention, threshold):
+    model = calibrate(mod_model(attention, "sdpa", "moe", threshold=threshold), _idx(seed=4)).eval()
     idx = _idx(B=1, T=20, seed=6)
     spy = DecisionSpy(model.stream.mod)
     with torch.no_grad():
@@ -303,7 +309,7 @@ def test_calibrator_thresholds_come_from_earlier_steps_and_ranks_agree():
                 assert torch.equal(out.mask_BT, scores[rank] > threshold_in_use)
         single.select(0, torch.cat(scores))
         # every rank folds in the SUM of both ranks' counts (what the trainer's all-reduce gives)
-        packs = [torch.cat([c.pending_hist.reshape(-1), c.pending_executed, c.pending_tokens]) for c in ranks]
+        packs = [c.pending_counts() for c in ranks]
         fractions = [cal.update(lambda t, s=sum(packs): s.clone()) for cal in ranks]
         single_fr = single.update()
         assert fractions[0] == fractions[1] == pytest.approx(single_fr)
@@ -318,6 +324,62 @@ def test_calibrator_thresholds_come_from_earlier_steps_and_ranks_agree():
     saved = ranks[0].state_dict()
     assert {"threshold", "histogram", "correction", "skipping", "tokens_seen", "executed_total",
             "tokens_total"} == set(saved)
+
+
+def _fed_calibrator(mode, cap=0.6, p_thres=None, steps=12, weights=(1.0, 3.0, 1.0, 3.0, 2.0)):
+    """A calibrator fed five sublayers with very different score distributions (Beta shapes from mostly small
+    to mostly large rotations) for `steps` training steps; returns it and its per-step executed fractions."""
+    n = len(weights)
+    cal = MoDCalibrator(n, 0.2, [True] * n, mode=mode, work_weights=weights, max_sublayer_skip=cap, p_thres=p_thres)
+    shapes = [(0.5, 4.0), (2.0, 2.0), (4.0, 1.0), (1.0, 1.0), (1.0, 6.0)]
+    gen = torch.Generator().manual_seed(0)
+    fractions = []
+    for _ in range(steps):
+        for index, (a, b) in enumerate(shapes):
+            u = torch.rand(8, 256, generator=gen)  # Kumaraswamy(a, b): a closed-form Beta-like shape on [0, 1]
+            cal.select(index, (1 - (1 - u) ** (1 / b)) ** (1 / a))
+        fractions.append(cal.update())
+    return cal, fractions
+
+
+def _mean_executed(fractions, last):
+    return [sum(f[i] for f in fractions[-last:]) / last for i in range(len(fractions[0]))]
+
+
+def test_global_threshold_skips_the_work_target_with_adaptive_depth_and_no_starved_sublayer():
+    cal, fractions = _fed_calibrator("global")
+    executed = _mean_executed(fractions, 6)
+    skip = [1 - f for f in executed]
+    assert abs(cal.skip_rate_of(executed) - 0.2) <= 0.02, skip  # the work-weighted total
+    assert max(skip) - min(skip) > 0.3, skip                     # depth adapts: very different rates
+    assert max(skip) <= 0.6 + 0.02, skip                         # the ceiling (sampling noise only)
+    assert skip[0] == max(skip) and skip[2] == min(skip)         # small rotations skip most
+    thresholds = cal.threshold.tolist()
+    capped = [i for i in range(5) if thresholds[i] < max(thresholds) - 1e-9]
+    assert capped == [0]  # one threshold, except where the ceiling binds
+    # without a ceiling the sublayer of small rotations would skip far more
+    _, uncapped = _fed_calibrator("global", cap=None)
+    assert 1 - _mean_executed(uncapped, 6)[0] > 0.7
+
+
+def test_per_sublayer_mode_keeps_one_quantile_per_sublayer():
+    cal, fractions = _fed_calibrator("per_sublayer", cap=None)
+    skip = [1 - f for f in _mean_executed(fractions, 6)]
+    assert all(abs(s - 0.2) <= 0.02 for s in skip), skip
+    # the legacy rule exactly: the quantile of each histogram at skip_rate + its own correction
+    expected = histogram_quantile(cal.histogram, cal.skip_rate + cal.correction).float()
+    assert torch.equal(cal.threshold, expected)
+
+
+def test_fixed_mode_uses_p_thres_under_the_ceiling():
+    cal, fractions = _fed_calibrator("fixed", p_thres=0.3)
+    thresholds = cal.threshold.tolist()
+    # sublayers 0 and 4 would skip ~90% at 0.3: capped at 60%
+    assert thresholds[1:4] == [pytest.approx(0.3)] * 3 and thresholds[0] < 0.3 and thresholds[4] < 0.3
+    skip = [1 - f for f in fractions[-1]]
+    assert max(skip[0], skip[4]) <= 0.62 and min(skip[0], skip[4]) > 0.55 and skip[2] < 0.05
+    with pytest.raises(UserError, match="p_thres"):
+        MoDCalibrator(2, 0.2, [True, True], mode="fixed")
 
 
 def test_eligible_sublayers_modes_and_start():

@@ -73,9 +73,15 @@ def test_realised_skip_rate_is_calibrated_to_the_target(pair):
     after = [r["skip_rate"] for r in records if r["step"] > 10]  # after calibration
     realised = sum(after) / len(after)
     assert abs(realised - 0.2) <= 0.02, realised
-    # the summary: token-weighted over the whole run (the first, full-depth step included)
-    n = len(records)
-    assert summary["skip_rate"] == pytest.approx(sum(r["skip_rate"] for r in records) / n, abs=1e-9)
+    # the summary: skip_rate over the skipping steps only, the whole run (first, full-depth step included) beside
+    skipping = [r for r in records if r["mod_skipping"]]
+    assert summary["skipping_steps"] == len(skipping) == len(records) - 1
+    assert summary["skip_rate"] == pytest.approx(sum(r["skip_rate"] for r in skipping) / len(skipping), abs=1e-9)
+    assert summary["run_skip_rate"] == pytest.approx(sum(r["skip_rate"] for r in records) / len(records), abs=1e-9)
+    assert summary["run_skip_rate"] < summary["skip_rate"]
+    assert sum(summary["skip_work_share_per_sublayer"]) == pytest.approx(summary["skip_rate"], abs=1e-9)
+    # FLOPs as executed include attention's padded query rows: at least the FLOPs charged for the same steps
+    assert summary["flops_executed"] >= summary["flops"] * (1 - 1e-12)
 
 
 def _decisions(model, fn):
@@ -132,22 +138,24 @@ def test_generate_skip_rate_dial(pair, capsys):
     from nagmoe.eval.generate import load_run, set_skip_rate
 
     trainer, _, mod_dir = pair["mod"]
-    rows = next(iter(trainer.loader))[0]
+    # measured on training tokens: disjoint from the validation tokens the dial calibrates on
+    loader = iter(trainer.loader)
+    rows = torch.cat([next(loader)[0] for _ in range(8)])
     run = load_run(mod_dir)
-    for rate in (0.0, 0.5):
-        set_skip_rate(run, rate)
-        before = run.model.stream.mod.inference_tokens.clone(), run.model.stream.mod.inference_executed.clone()
+    mod = run.model.stream.mod
+    for rate in (0.0, 0.1, 0.2, 0.4):
+        dial = set_skip_rate(run, rate)
+        assert dial["requested"] == rate and abs(dial["calibrated"] - rate) <= 0.01, dial
+        mod.reset_inference_counts()
         with torch.no_grad():
             run.model(rows)
-        mod = run.model.stream.mod
-        tokens, executed = mod.inference_tokens - before[0], mod.inference_executed - before[1]
-        realised = 1 - float((executed / tokens).mean())
-        assert abs(realised - rate) < 0.08, (rate, realised)
+        realised = mod.inference_skip_rate()  # the work-weighted share, what the dial asks for
+        assert abs(realised - rate) <= 0.02, (rate, realised, dial)
 
     assert main(["generate", "--run-dir", mod_dir, "--prompt", "ROMEO:", "--max-new-tokens", "6",
                  "--skip-rate", "0.4", "--device", "cpu"]) == 0
     out = capsys.readouterr()
-    assert out.out.startswith("ROMEO:") and "MoD: skipped" in out.err and "skip rate 0.4" in out.err
+    assert out.out.startswith("ROMEO:") and "MoD: skipped" in out.err and "asked 40.0%; calibrated to" in out.err
     assert main(["generate", "--run-dir", mod_dir, "--prompt", "x", "--skip-rate", "1.5"]) == 2
     assert "--skip-rate" in capsys.readouterr().err
     assert main(["generate", "--run-dir", pair["full"][2], "--prompt", "x", "--skip-rate", "0.2"]) == 2
