@@ -153,6 +153,27 @@ def router_load_heatmaps(loads: dict, path: str) -> Optional[str]:
     return _save(fig, path)
 
 
+def skip_through_depth(skips: dict, path: str) -> Optional[str]:
+    """MoD's realised skip per sublayer through depth, attention and FFN side by side, one panel per run group
+    (training, skipping steps only). `skips`: {group: [skip of sublayer 0, 1, ...]} (2 per block)."""
+    skips = {g: s for g, s in skips.items() if s}
+    if not skips:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(skips), figsize=(5.2 * len(skips), 3.6), squeeze=False)
+    for ax, (group, skip) in zip(axes[0], skips.items()):
+        blocks = list(range(len(skip) // 2))
+        ax.bar([b - 0.2 for b in blocks], skip[0::2], width=0.4, label="attention")
+        ax.bar([b + 0.2 for b in blocks], skip[1::2], width=0.4, label="FFN / MoE")
+        ax.set_title(f"{group}: skipped token share per sublayer", fontsize=9)
+        ax.set_xlabel("block")
+        ax.set_ylabel("skipped share (training)")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def confidence_panels(bins: dict, colours: dict, path: str) -> Optional[str]:
     """NAG's final log-norm as a confidence signal: mean loss and top-1 accuracy per equal-count bin.
     `bins`: {group: [{"mean", "loss", "top1_acc"}, ...]}."""

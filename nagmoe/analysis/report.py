@@ -25,7 +25,7 @@ from nagmoe.analysis.report_data import (FINAL_LOSS_WINDOW, accuracy_noise, find
                                          measure_checkpoint, noise_statement, read_run, unique_labels)
 
 REPORT_HTML, REPORT_JSON, FIGURE_DIR = "report.html", "report.json", "figures"
-FIGURES = ("loss_curves", "val_bpb", "depth", "confidence", "router_load", "compute_dial")
+FIGURES = ("loss_curves", "val_bpb", "depth", "confidence", "router_load", "compute_dial", "mod_skip_depth")
 SECTIONS = ("overview", "problems", "results", "curves", "comparisons", "depth", "mod", "dial", "references", "runs")
 PAIR_TITLES = {"nag_vs_baseline": "NAG vs pre-norm baseline", "mod_vs_full": "MoD vs full depth",
                "vs_first": "vs the first run"}
@@ -105,6 +105,7 @@ def group_numbers(rs: list) -> dict:
         "val_loss": [r.val_loss for r in rs], "tokens": [r.final("tokens") for r in rs],
         "flops": [r.final("flops") for r in rs], "steps": [r.final("steps") for r in rs],
         "wall_time_s": [r.final("wall_time_s") for r in rs], "skip_rate": [r.skip_rate for r in rs],
+        "run_skip_rate": [(r.summary or {}).get("run_skip_rate") for r in rs],
         "tokens_per_s": [r.tokens_per_s for r in rs],
         "eval_accuracy": [e[0] for e in evals], "eval_centred": [e[1] for e in evals],
         "eval_items": sum(e[2] for e in evals), "analysed": analysed.label if analysed else None,
@@ -235,11 +236,11 @@ def depth_section(groups, colours, fig_dir) -> tuple:
     return "\n".join(html_), paths
 
 
-def mod_section(groups, nums, pairs) -> str:
+def mod_section(groups, nums, pairs, fig_dir) -> tuple:
     mod_groups = [g for g, n in nums.items() if n["target_skip_rate"] > 0]
     if not mod_groups:
         return para("No MoD run in this report (model.mod.skip_rate = 0 everywhere): nothing to compare with full "
-                    "depth.", "note")
+                    "depth.", "note"), None
     partner = {p.variant: p.reference for p in pairs if p.kind == "mod_vs_full"}
     rows = []
     from nagmoe.flops import flops_per_token
@@ -255,7 +256,8 @@ def mod_section(groups, nums, pairs) -> str:
         d_loss = (_m(n["val_loss"]) - _m(r["val_loss"])) if r and _m(n["val_loss"]) is not None and _m(
             r["val_loss"]) is not None else None
         ratio = tokens / _m(r["tokens"]) if r and tokens and _m(r["tokens"]) else None
-        return [g, num(n["target_skip_rate"], ".0%"), num(_m(n["skip_rate"]), ".1%"), big(tokens),
+        return [g, num(n["target_skip_rate"], ".0%"), num(_m(n["skip_rate"]), ".1%"),
+                num(_m(n["run_skip_rate"]), ".1%"), big(tokens),
                 num(ratio, ".3f", "-" if not ref else "n/a"), big(flops), num(per_token, ".3f"),
                 seconds(_m(n["wall_time_s"])), num(_m(n["final_loss"])), num(_m(n["val_bpb"])),
                 num(d_bpb, "+.4f", "-" if not ref else "n/a"), num(d_loss, "+.4f", "-" if not ref else "n/a")]
@@ -267,19 +269,29 @@ def mod_section(groups, nums, pairs) -> str:
             rows.append(row(ref))
             done.add(ref)
         rows.append(row(g, ref))
-    headers = ["run", "target skip", "realised skip (training)", "tokens processed", "tokens vs full depth",
+    headers = ["run", "target skip", "realised skip of work (skipping steps)", "whole run", "tokens processed",
+               "tokens vs full depth",
                "executed training FLOPs", "FLOPs per token / full depth", "wall-clock (s)", "final train loss",
                "final val bpb", "val bpb vs full depth", "val loss vs full depth (nats)"]
-    rows.append(["paper (theirs): MoD 20% vs full-depth NAG", "20%", "", "60.9B vs 50B", "1.218", "= budget", "",
+    rows.append(["paper (theirs): MoD 20% vs full-depth NAG", "20%", "", "", "60.9B vs 50B", "1.218", "= budget", "",
                  "", "", "", "", "+0.00055"])
     classes = [""] * (len(rows) - 1) + ["theirs"]
     notes = [] if all(partner.get(g) for g in mod_groups) else [
         para("A MoD run without a full-depth partner (a run whose config differs only in model.mod.*) has no "
              "difference column.", "note")]
+    skips = {g: next((r.summary.get("skip_per_sublayer") for r in groups[g] if (r.summary or {}).get(
+        "skip_per_sublayer")), None) for g in mod_groups}
+    depth_png = fig.skip_through_depth(skips, os.path.join(fig_dir, "mod_skip_depth.png"))
     return "\n".join([table(headers, rows, classes), para(
-        "Executed training FLOPs count skipped sublayer work as not done; K/V projections, embeddings, unembedding "
-        "and modulators are still paid for skipped tokens (nagmoe/flops.py), so 20% skipped work buys fewer than "
-        "25% more tokens.", "note"), *notes])
+        "Realised skip: the skipped share of the skippable work (FLOP-weighted per sublayer), averaged over the "
+        "steps that skipped; the whole run includes the steps before skipping starts. Executed training FLOPs "
+        "count skipped sublayer work as not done; K/V projections, embeddings, unembedding and modulators are still "
+        "paid for skipped tokens (nagmoe/flops.py), so 20% skipped work buys fewer than 25% more tokens.", "note"),
+        *notes, "<h3>Skip through depth</h3>",
+        image(depth_png, "skipped share per sublayer", "no per-sublayer skip in the runs' summaries"),
+        para("Training, skipping steps only. With model.mod.threshold=global one threshold on the rotation score "
+             "decides everywhere, so depth adapts: sublayers whose rotations are small skip more (up to "
+             "model.mod.max_sublayer_skip).", "note")]), depth_png
 
 
 def dial_section(groups, nums, colours, fig_dir) -> tuple:
@@ -290,8 +302,10 @@ def dial_section(groups, nums, colours, fig_dir) -> tuple:
             continue
         dials[g] = r.analysis["compute_dial"]
         tables.append(f"<h3>{esc(g)} ({esc(r.label)})</h3>" + table(
-            ["inference skip rate", "realised skip", "forward FLOPs / full depth", "val loss (nats)", "val bpb"],
-            [[num(d["skip_rate"], ".0%"), num(d.get("realised_skip_rate"), ".1%"), num(d["flops_vs_full_depth"], ".3f"),
+            ["inference skip rate (asked)", "calibrated (other tokens)", "realised", "forward FLOPs / full depth",
+             "val loss (nats)", "val bpb"],
+            [[num(d["skip_rate"], ".0%"), num(d.get("calibrated_skip_rate"), ".1%"),
+              num(d.get("realised_skip_rate"), ".1%"), num(d["flops_vs_full_depth"], ".3f"),
               num(d.get("val_loss")), num(d.get("val_bpb"))] for d in dials[g]]))
     # full-depth NAG runs at x = 1, measured the same way as the dial (the analysis windows)
     full = {g: (_analysis(groups[g]) or {}).get("val_bpb") for g, n in nums.items()
@@ -435,8 +449,9 @@ def write_report(run_dirs: list, out_dir: str, title: Optional[str] = None, desc
     bpb_png = fig.val_bpb_points(points, colours, os.path.join(fig_dir, "val_bpb.png"), uni)
     depth_html, (depth_png, conf_png, router_png) = depth_section(groups, colours, fig_dir)
     dial_html, dial_png = dial_section(groups, nums, colours, fig_dir)
+    mod_html, skip_png = mod_section(groups, nums, pairs, fig_dir)
     made = {"loss_curves": loss_png, "val_bpb": bpb_png, "depth": depth_png, "confidence": conf_png,
-            "router_load": router_png, "compute_dial": dial_png}
+            "router_load": router_png, "compute_dial": dial_png, "mod_skip_depth": skip_png}
     for name, path in made.items():  # a figure of an earlier render that has nothing to show now
         stale = os.path.join(fig_dir, f"{name}.png")
         if path is None and os.path.exists(stale):
@@ -452,7 +467,7 @@ def write_report(run_dirs: list, out_dir: str, title: Optional[str] = None, desc
             bpb_png, "validation bpb", "no validation bpb logged"),
         "comparisons": comparisons(pairs, nums),
         "depth": depth_html,
-        "mod": mod_section(groups, nums, pairs),
+        "mod": mod_html,
         "dial": dial_html,
         "references": references(pairs, nums, groups),
         "runs": runs_section(records),

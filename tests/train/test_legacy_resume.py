@@ -1,6 +1,6 @@
-"""The migration rule for issue 22's keys: a run dir whose saved config predates `model.moe.gate_grad` and
-`model.mod.base_init_std` resumes with their legacy values, bit-identically; a new run gets the new
-defaults."""
+"""The migration rule for the keys of issues 22 and 23: a run dir whose saved config predates
+`model.moe.gate_grad`, `model.mod.base_init_std`, `model.mod.threshold` and `model.mod.max_sublayer_skip`
+resumes with their legacy values, bit-identically; a new run gets the new defaults."""
 import os
 
 import torch
@@ -46,6 +46,9 @@ def test_an_old_run_dir_resumes_with_the_legacy_behaviour_bit_identically(micro_
     with open(os.path.join(old, "config.yaml")) as f:
         saved = yaml.safe_load(f)
     assert saved["model"]["moe"]["gate_grad"] == "none" and saved["model"]["mod"]["base_init_std"] == 0.02
+    assert saved["model"]["mod"]["threshold"] == "per_sublayer" and saved["model"]["mod"]["max_sublayer_skip"] is None
+    records = read_metrics(os.path.join(old, "metrics.jsonl"))
+    assert any(r.get("mod_skipping") for r in records)  # the legacy thresholds did decide something
 
     new = str(tmp_path / "new")
     Trainer(micro_config(*OVERRIDES, "train.max_steps=2"), new, quiet=True).run()
