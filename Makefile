@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo venv clean
+.PHONY: test test-fast test-scale demo venv clean
 
 venv: $(STAMP)
 
@@ -19,10 +19,14 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q -m "not scale" tests
+
+# heavy checks CI need not run (minutes each on 2 CPU cores)
+test-scale: $(STAMP)
+	$(VPY) -m pytest -q -m scale tests
 
 test-fast: $(STAMP)
-	$(VPY) -m pytest -q -m "not slow and not distributed and not slurm" tests
+	$(VPY) -m pytest -q -m "not slow and not distributed and not slurm and not scale" tests
 
 demo: $(STAMP)
 	$(VPY) tools/demo.py
