@@ -76,6 +76,12 @@ def test_yaml_off_is_a_string(tmp_path):
     (["model.attention.qk_norm=maybe"], "model.attention.qk_norm"),
     (["train.lr_matrix=fast"], "train.lr_matrix"),
     (["model.mod.skip_rate=1.5"], "model.mod.skip_rate"),
+    (["model.mod.threshold=quantile"], "model.mod.threshold"),
+    (["model.mod.threshold=fixed"], "model.mod.p_thres"),
+    (["model.mod.threshold=fixed", "model.mod.p_thres=1.2"], "model.mod.p_thres"),
+    (["model.mod.p_thres=0.3"], "model.mod.p_thres"),
+    (["model.mod.skip_rate=0.5", "model.mod.max_sublayer_skip=0.4"], "model.mod.max_sublayer_skip"),
+    (["model.mod.max_sublayer_skip=0"], "model.mod.max_sublayer_skip"),
     (["model.attention.kind=cca", "model.attention.q_compression=3"], "model.attention.q_compression"),
 ])
 def test_invalid_values_name_the_key(overrides, key):
