@@ -82,7 +82,8 @@ def budget_tokens(cfg: Config) -> Optional[float]:
     if cfg.train.max_steps is not None:
         bounds.append(cfg.train.max_steps * cfg.train.batch_tokens)
     if cfg.train.flop_budget is not None:
-        bounds.append(cfg.train.flop_budget / flops_per_token(cfg.model, cfg.data.seq_len))
+        bounds.append(cfg.train.flop_budget / flops_per_token(cfg.model, cfg.data.seq_len,
+                                                              convention=cfg.train.flop_convention))
     if not bounds and cfg.train.schedule_steps:
         bounds.append(cfg.train.schedule_steps * cfg.train.batch_tokens)
     return min(bounds) if bounds else None

@@ -2,6 +2,7 @@
 
     name: demo                      # run dirs land in RUNS_ROOT/NAME/RUN-sSEED/ (RUNS_ROOT defaults to runs/)
     flop_budget: 1.06703e+13        # training FLOPs of every run (the LR horizon and the stop)
+    flop_convention: matmul         # optional: the unit of the budget for every run (matmul | non_embedding)
     seeds: [0]                      # each run is repeated per seed (train.seed)
     runs:
       baseline: {config: ../tiny-prenorm.yaml}
@@ -10,10 +11,17 @@
     report: {eval_items: 200, analysis_tokens: 16384}  # optional: what `nagmoe report` measures
     description: one line shown at the top of the report   # optional
 
+A sweep of experiments with budgets of their own is one file that includes them: `include: [a.yaml, b.yaml]`
+(paths relative to the file) instead of or beside `runs`; every included run keeps its file's `flop_budget`,
+`flop_convention` and `overrides` (run names must be unique across the files), while `name`, `seeds`,
+`report` and the file's own `overrides` come from the including file. `flop_budget` is then needed only for
+the file's own runs.
+
 Config paths are relative to the experiment file's folder (like `inherit:`). The resolved config of a run is
-`config` + `train.flop_budget=<flop_budget>` + `train.max_steps=null` + the experiment's overrides + the run's
-overrides + the command line's overrides + `train.seed=<seed>`; overriding `train.flop_budget` or `train.seed`
-anywhere is refused (the budget is what makes the runs comparable). A capped `train.max_steps` is allowed
+`config` + `train.flop_budget=<flop_budget>` + `train.flop_convention=<flop_convention>` (when the file sets
+one) + `train.max_steps=null` + the experiment's overrides + the run's
+overrides + the command line's overrides + `train.seed=<seed>`; overriding `train.flop_budget`,
+`train.flop_convention` or `train.seed` anywhere is refused (the budget is what makes the runs comparable). A capped `train.max_steps` is allowed
 (smoke tests) but the report then shows runs that stopped before their budget.
 
 Locally the runs train one after another in this process (a run dir with summary.json is finished and
@@ -38,8 +46,9 @@ from nagmoe.errors import UserError
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"
-MANAGED_KEYS = ("train.flop_budget", "train.seed")  # set by the experiment, never by an override
-TOP_KEYS = ("name", "flop_budget", "seeds", "runs", "overrides", "report", "description")
+MANAGED_KEYS = ("train.flop_budget", "train.flop_convention", "train.seed")  # set by the experiment only
+TOP_KEYS = ("name", "flop_budget", "flop_convention", "seeds", "runs", "include", "overrides", "report",
+            "description")
 RUN_KEYS = ("config", "overrides")
 REPORT_KEYS = ("eval_items", "analysis_tokens")
 DEFAULT_REPORT = {"eval_items": 200, "analysis_tokens": 16384}
@@ -51,18 +60,21 @@ class RunSpec:
     name: str
     config: str  # absolute path
     overrides: list = field(default_factory=list)
+    flop_budget: Optional[float] = None  # None: the experiment's (set for runs of an included file)
+    flop_convention: Optional[str] = None
 
 
 @dataclass
 class Experiment:
     name: str
-    flop_budget: float
+    flop_budget: Optional[float]  # None when every run comes from an included file (with its own)
     seeds: list
     runs: dict  # name -> RunSpec, in file order
     path: str
     overrides: list = field(default_factory=list)
     report: dict = field(default_factory=lambda: dict(DEFAULT_REPORT))
     description: str = ""
+    flop_convention: Optional[str] = None  # None: each run's config decides (default matmul)
 
     def out_dir(self, runs_root: str = "runs") -> str:
         return os.path.join(runs_root, self.name)
@@ -79,8 +91,11 @@ class Experiment:
         plans = []
         for name in names:
             spec = self.runs[name]
+            budget = spec.flop_budget if spec.flop_budget is not None else self.flop_budget
+            unit = spec.flop_convention if spec.flop_budget is not None else self.flop_convention
             for seed in self.seeds:
-                run_overrides = [f"train.flop_budget={self.flop_budget:.10e}", "train.max_steps=null",
+                convention = [f"train.flop_convention={unit}"] if unit else []
+                run_overrides = [f"train.flop_budget={budget:.10e}", *convention, "train.max_steps=null",
                                  *self.overrides, *spec.overrides, *overrides, f"train.seed={seed}"]
                 try:
                     cfg = load_config(spec.config, run_overrides)
@@ -127,13 +142,15 @@ class RunPlan:
     def full_depth_flops_per_token(self) -> float:
         from nagmoe.flops import flops_per_token
 
-        return flops_per_token(self.config.model, self.config.data.seq_len)
+        return flops_per_token(self.config.model, self.config.data.seq_len,
+                               convention=self.config.train.flop_convention)
 
     def ideal_flops_per_token(self) -> float:
         """At the target skip rate on every sublayer (MoD), else full depth: the plan's token estimate."""
         from nagmoe.flops import flops_per_token
 
-        return flops_per_token(self.config.model, self.config.data.seq_len, 1.0 - self.config.model.mod.skip_rate)
+        return flops_per_token(self.config.model, self.config.data.seq_len, 1.0 - self.config.model.mod.skip_rate,
+                               self.config.train.flop_convention)
 
     def expected_tokens(self) -> float:
         return self.config.train.flop_budget / self.ideal_flops_per_token()
@@ -178,7 +195,8 @@ def _override_list(where: str, value) -> list:
 def _refuse_managed(overrides, where: str) -> None:
     for key, _ in parse_overrides(overrides):
         if key in MANAGED_KEYS:
-            raise UserError(f"{where}: {key} is set by the experiment (flop_budget, seeds); remove the override")
+            raise UserError(f"{where}: {key} is set by the experiment (flop_budget, flop_convention, seeds); remove "
+                            "the override")
 
 
 def _positive_number(where: str, value) -> float:
@@ -189,6 +207,30 @@ def _positive_number(where: str, value) -> float:
     if number is None or not number > 0 or number == float("inf"):
         raise UserError(f"{where}: {value!r} must be a positive number (training FLOPs)")
     return number
+
+
+def _included_runs(path: str, folder: str, include) -> dict:
+    """The runs of the included experiment files, each with its file's budget, convention and overrides."""
+    if include is None:
+        return {}
+    if not isinstance(include, list) or not include or not all(isinstance(i, str) for i in include):
+        raise UserError(f"{path}: include: must be a non-empty list of experiment files")
+    runs = {}
+    for item in include:
+        sub_path = os.path.normpath(os.path.join(folder, item))
+        if os.path.abspath(sub_path) == os.path.abspath(path):
+            raise UserError(f"{path}: include: {item} is this file")
+        sub = load_experiment(sub_path)
+        if sub.flop_budget is None and any(r.flop_budget is None for r in sub.runs.values()):
+            raise UserError(f"{path}: include: {item} has no flop_budget")
+        for name, spec in sub.runs.items():
+            if name in runs:
+                raise UserError(f"{path}: include: run {name!r} of {item} is also a run of an earlier file")
+            own = spec.flop_budget is not None
+            runs[name] = RunSpec(name, spec.config, [*sub.overrides, *spec.overrides],
+                                 spec.flop_budget if own else sub.flop_budget,
+                                 spec.flop_convention if own else sub.flop_convention)
+    return runs
 
 
 def load_experiment(path: str) -> Experiment:
@@ -203,13 +245,19 @@ def load_experiment(path: str) -> Experiment:
     if not isinstance(data, dict):
         raise UserError(f"{path}: top level must be a mapping with name, flop_budget, seeds, runs")
     _check_keys(path, data, TOP_KEYS)
-    for key in ("name", "flop_budget", "seeds", "runs"):
+    needed = ("name", "seeds") + (() if data.get("include") else ("flop_budget", "runs"))
+    for key in needed:
         if key not in data:
             raise UserError(f"{path}: missing {key!r} (an experiment needs name, flop_budget, seeds, runs)")
+    if data.get("runs") and "flop_budget" not in data:
+        raise UserError(f"{path}: missing 'flop_budget' (the file's own runs need one)")
     name = data["name"]
     if not isinstance(name, str) or not _NAME.match(name):
         raise UserError(f"{path}: name: {name!r} must be one word of letters, digits, '.', '_' or '-'")
-    budget = _positive_number(f"{path}: flop_budget", data["flop_budget"])
+    budget = _positive_number(f"{path}: flop_budget", data["flop_budget"]) if "flop_budget" in data else None
+    convention = data.get("flop_convention")
+    if convention is not None and convention not in ("matmul", "non_embedding"):
+        raise UserError(f"{path}: flop_convention: {convention!r} must be matmul or non_embedding")
     seeds = data["seeds"]
     seeds = [seeds] if isinstance(seeds, int) and not isinstance(seeds, bool) else seeds
     if (not isinstance(seeds, list) or not seeds
@@ -217,11 +265,11 @@ def load_experiment(path: str) -> Experiment:
         raise UserError(f"{path}: seeds: {data['seeds']!r} must be a non-empty list of integers >= 0")
     if len(set(seeds)) != len(seeds):
         raise UserError(f"{path}: seeds: {seeds} repeats a seed")
-    if not isinstance(data["runs"], dict) or not data["runs"]:
+    if "runs" in data and (not isinstance(data["runs"], dict) or not data["runs"]):
         raise UserError(f"{path}: runs: must map run names to {{config: PATH, overrides: [...]}}")
     folder = os.path.dirname(os.path.abspath(path))
-    runs = {}
-    for run_name, spec in data["runs"].items():
+    runs = _included_runs(path, folder, data.get("include"))
+    for run_name, spec in (data.get("runs") or {}).items():
         where = f"{path}: runs.{run_name}"
         if not isinstance(run_name, str) or not _NAME.match(run_name):
             raise UserError(f"{where}: the run name must be one word of letters, digits, '.', '_' or '-'")
@@ -231,6 +279,8 @@ def load_experiment(path: str) -> Experiment:
         config = os.path.normpath(os.path.join(folder, str(spec["config"])))
         if not os.path.isfile(config):
             raise UserError(f"{where}.config: {config} not found (paths are relative to the experiment file)")
+        if run_name in runs:
+            raise UserError(f"{where}: the name is also a run of an included file")
         runs[run_name] = RunSpec(run_name, config, _override_list(f"{where}.overrides", spec.get("overrides")))
     report = dict(DEFAULT_REPORT)
     if data.get("report") is not None:
@@ -243,16 +293,29 @@ def load_experiment(path: str) -> Experiment:
             report[key] = value
     return Experiment(name=name, flop_budget=budget, seeds=list(seeds), runs=runs, path=path,
                       overrides=_override_list(f"{path}: overrides", data.get("overrides")), report=report,
-                      description=str(data.get("description") or ""))
+                      description=str(data.get("description") or ""), flop_convention=convention)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Describing, training locally, reporting
 # ----------------------------------------------------------------------------------------------------------
+def _budget_words(exp: Experiment) -> str:
+    """"shared FLOP budget X training FLOPs (convention) per run", or the budgets of an experiment of several."""
+    budgets = {}
+    for spec in exp.runs.values():
+        own = spec.flop_budget is not None
+        key = (spec.flop_budget if own else exp.flop_budget, spec.flop_convention if own else exp.flop_convention)
+        budgets.setdefault(key, []).append(spec.name)
+    words = [f"{b:.6g} training FLOPs{f' ({c} convention)' if c else ''}" for b, c in budgets]
+    if len(words) == 1:
+        return f"shared FLOP budget {words[0]} per run"
+    return "FLOP budgets " + "; ".join(f"{w} for {', '.join(names)}" for w, names in zip(words, budgets.values()))
+
+
 def describe(exp: Experiment, plans: list) -> str:
     """The plan as text: the shared budget, then one line per run x seed."""
-    lines = [f"experiment {exp.name} ({exp.path}): shared FLOP budget {exp.flop_budget:.6g} training FLOPs per "
-             f"run; seeds {', '.join(map(str, exp.seeds))}; {len(plans)} run(s)"]
+    lines = [f"experiment {exp.name} ({exp.path}): {_budget_words(exp)}; seeds {', '.join(map(str, exp.seeds))}; "
+             f"{len(plans)} run(s)"]
     width = max(len(p.label) for p in plans)
     for p in plans:
         mod = p.config.model.mod.skip_rate
@@ -384,8 +447,8 @@ def describe_slurm(exp: Experiment, plans: list, jobs: list, report, opts) -> st
     done = [p.label for p in plans if p.done]
     mode = (f"CPU mode, {opts.procs_per_node} gloo rank(s) per node" if opts.cpu_mode
             else f"{opts.gpus_per_node} GPU(s) per node")
-    lines = [f"experiment {exp.name}: shared FLOP budget {exp.flop_budget:.6g} training FLOPs per run "
-             f"(train.flop_budget of every job); {len(jobs)} training job(s) + 1 report job",
+    lines = [f"experiment {exp.name}: {_budget_words(exp)} (train.flop_budget of every job); {len(jobs)} training "
+             "job(s) + 1 report job",
              f"  each training job: {opts.nodes} node(s), {mode}, time limit {opts.time or 'the partition default'}"
              " (requeues itself after a preemption checkpoint)"]
     for i, j in enumerate(jobs, 1):

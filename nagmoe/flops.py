@@ -20,6 +20,12 @@ What is counted (training = forward + backward = 3 x forward; a matmul of an n-v
   projection of attention, and the whole FFN/MoE (router included), scale with the executed fraction.
   CCA's convolutions and q-k mean need every token's raw q and k latents, so for CCA the q projection and
   the convolutions are paid for every token too; only the scores/values rows and o scale.
+Two conventions (`train.flop_convention`; the paper's unit is not public, docs/decisions.md):
+- `matmul`: "analytic matmul FLOPs, full T x T attention, no elementwise work" — everything above, the
+  unembedding (lm_head) included;
+- `non_embedding`: the same without the unembedding (the embedding lookup is no matmul in either), the
+  convention of "non-embedding FLOPs" scaling laws. MoD's skipped work is a larger share of it, so a skip rate
+  buys more tokens under it.
 What is not counted: the embedding lookup, elementwise work (norms, NAG centring/projection/normalisation,
 RoPE, activations, softmax, residual adds, router top-k, CCA's q-k mean, value shift and temperature), the
 loss, and the optimizer step. These are O(d) per token against O(d^2) for the matmuls.
@@ -31,7 +37,10 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 from nagmoe.errors import UserError
-from nagmoe.schema import ModelConfig, attention_heads, expert_hidden
+from nagmoe.schema import ModelConfig, attention_heads, eligible_sublayers, expert_hidden
+
+CONVENTIONS = ("matmul", "non_embedding")
+PAPER_MOD_TOKEN_RATIO = 60.9 / 50.0  # the paper's MoD 20% run: 60.9B tokens at the FLOPs of 50B full-depth ones
 
 
 def cca_conv_weights(m: ModelConfig) -> int:
@@ -135,10 +144,17 @@ def forward_flops_per_token(m: ModelConfig, seq_len: int, executed: Executed = N
     return parts
 
 
-def flops_per_token(m: ModelConfig, seq_len: int, executed: Executed = None) -> float:
-    """Training FLOPs (forward + backward = 3 x forward) per token; `executed` is the executed fraction per
-    sublayer (a scalar for all, or 2 * n_layers values: attention and FFN of each block in order)."""
-    return 3.0 * forward_flops_per_token(m, seq_len, executed)["total"]
+def convention_total(parts: dict, convention: str = "matmul") -> float:
+    """The total of `forward_flops_per_token`'s parts in a FLOP convention (module docstring)."""
+    if convention not in CONVENTIONS:
+        raise UserError(f"train.flop_convention: {convention!r} is not one of {', '.join(CONVENTIONS)}")
+    return parts["total"] - (parts["unembedding"] if convention == "non_embedding" else 0.0)
+
+
+def flops_per_token(m: ModelConfig, seq_len: int, executed: Executed = None, convention: str = "matmul") -> float:
+    """Training FLOPs (forward + backward = 3 x forward) per token in `convention`; `executed` is the executed
+    fraction per sublayer (a scalar for all, or 2 * n_layers values: attention and FFN of each block in order)."""
+    return 3.0 * convention_total(forward_flops_per_token(m, seq_len, executed), convention)
 
 
 def skippable_flops_per_sublayer(m: ModelConfig, seq_len: int) -> list[float]:
@@ -150,19 +166,31 @@ def skippable_flops_per_sublayer(m: ModelConfig, seq_len: int) -> list[float]:
             for i in range(n)]
 
 
-def executed_flops_per_token(m: ModelConfig, seq_len: int, executed: Executed, padded: Executed) -> float:
+def executed_flops_per_token(m: ModelConfig, seq_len: int, executed: Executed, padded: Executed,
+                             convention: str = "matmul") -> float:
     """Training FLOPs per token as executed: like `flops_per_token`, but attention's score/value rows are
     charged for the padded query rows (`padded`: per sublayer, B·max-executed rows per token; MoD's ragged
     executed queries run padded to the longest row) instead of the executed ones."""
     fr, pad = _executed_per_sublayer(m, executed), _executed_per_sublayer(m, padded)
     n_heads, _, hd = attention_heads(m)
     extra = sum(4 * n_heads * hd * seq_len * (pad[2 * i] - fr[2 * i]) for i in range(m.n_layers))
-    return 3.0 * (forward_flops_per_token(m, seq_len, fr)["total"] + extra)
+    return 3.0 * (convention_total(forward_flops_per_token(m, seq_len, fr), convention) + extra)
 
 
-def mod_token_ratio(m: ModelConfig, seq_len: int, executed: Executed) -> float:
+def mod_token_ratio(m: ModelConfig, seq_len: int, executed: Executed, convention: str = "matmul") -> float:
     """Ideal tokens under a fixed FLOP budget, relative to full depth: F(executed=1) / F(executed)."""
-    return flops_per_token(m, seq_len, 1.0) / flops_per_token(m, seq_len, executed)
+    return flops_per_token(m, seq_len, 1.0, convention) / flops_per_token(m, seq_len, executed, convention)
+
+
+def skip_for_token_ratio(m: ModelConfig, seq_len: int, ratio: float, convention: str = "matmul") -> Optional[float]:
+    """The skip rate (skipped share of the eligible sublayers' skippable work, model.mod.sublayers) whose ideal
+    token ratio is `ratio`: F / (F − s·W) = ratio, so s = F·(1 − 1/ratio) / W with F the full-depth FLOPs per
+    token and W the skippable ones. None when even skipping all of W cannot reach it."""
+    full = flops_per_token(m, seq_len, 1.0, convention)
+    eligible = eligible_sublayers(m.n_layers, m.mod.sublayers)
+    skippable = 3.0 * sum(w for w, e in zip(skippable_flops_per_sublayer(m, seq_len), eligible) if e)
+    s = full * (1.0 - 1.0 / ratio) / skippable
+    return s if s <= 1.0 else None
 
 
 def mfu(flops_per_second: float, device_name: str, world_size: int = 1) -> Optional[float]:

@@ -56,9 +56,12 @@ def solve_layout(base: ModelConfig, total: float, active: float, ratio: float,
                  experts=(8, 16, 24, 32, 48, 64, 96, 128), top_ks=(1, 2, 4, 8), head_dims=None,
                  ratio_tolerance: float = 0.1, max_hidden_mult: float = 4.0,
                  both_residuals: bool = True, attention_kind: Optional[str] = None,
-                 q_compression: Optional[int] = None, kv_compression: Optional[int] = None) -> Layout:
+                 q_compression: Optional[int] = None, kv_compression: Optional[int] = None,
+                 total_tolerance: Optional[float] = None, active_tolerance: Optional[float] = None) -> Layout:
     """The layout closest to the targets; `attention_kind` (mha | cca) and the CCA compressions default to
-    the base config's."""
+    the base config's. With tolerances (relative, e.g. 0.10 total / 0.05 active) only layouts inside both
+    count, scored by the larger error as a fraction of its tolerance: the controlled sweep fixes n_experts
+    and top_k, so total - active is fixed by the expert width and total cannot be hit as closely as active."""
     base = copy.deepcopy(base)
     a = base.attention
     a.kind = attention_kind or a.kind
@@ -89,16 +92,23 @@ def solve_layout(base: ModelConfig, total: float, active: float, ratio: float,
                             continue
                         c = _with(base, d, L, hd, E, k, H)
                         n = param_counts(c)
-                        err = max(abs(n["total"] / total - 1), abs(n["active"] / active - 1))
+                        counts = [n]
                         if both_residuals:  # the pre-norm twin (no NAG gates) must hit the targets too
                             twin = copy.deepcopy(c)
                             twin.residual = "prenorm"
-                            nb = param_counts(twin)
-                            err = max(err, abs(nb["total"] / total - 1), abs(nb["active"] / active - 1))
-                        score = err + abs(r / ratio - 1)  # both errors count alike
+                            counts.append(param_counts(twin))
+                        e_total = max(abs(x["total"] / total - 1) for x in counts)
+                        e_active = max(abs(x["active"] / active - 1) for x in counts)
+                        err = max(e_total, e_active)
+                        if total_tolerance is not None and active_tolerance is not None:
+                            if e_total > total_tolerance or e_active > active_tolerance:
+                                continue
+                            score = max(e_total / total_tolerance, e_active / active_tolerance) + abs(r / ratio - 1)
+                        else:
+                            score = err + abs(r / ratio - 1)  # both errors count alike
                         if best is None or score < best[0]:
                             best = (score, Layout(c, n["total"], n["active"], r, err))
     if best is None:
-        raise ValueError(f"no layout found for ratio {ratio} with attention {a.kind} "
+        raise ValueError(f"no layout found for ratio {ratio} with attention {a.kind} experts {experts} top_k {top_ks} "
                          f"(q_compression {a.q_compression}, kv_compression {a.kv_compression})")
     return best[1]

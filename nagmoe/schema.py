@@ -138,6 +138,9 @@ class TrainConfig:
     micro_batch_tokens: Optional[int] = None  # per-device share per micro-step; None = no accumulation
     max_steps: Optional[int] = None  # a stop only
     flop_budget: Optional[float] = None  # training FLOPs; the LR horizon when set
+    # the unit of flop_budget and of the run's FLOP count: matmul (every counted matmul, the unembedding
+    # included) | non_embedding (the same without the unembedding); nagmoe/flops.py, docs/decisions.md
+    flop_convention: str = "matmul"
     schedule_steps: int = 1000  # LR horizon when no FLOP budget is set
     warmup_steps: int = 40
     warmdown_frac: float = 0.65
@@ -202,6 +205,7 @@ CHOICES = {
     "model.mod.threshold": ("global", "per_sublayer", "fixed"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.optimizer": ("muon", "adamw"),
+    "train.flop_convention": ("matmul", "non_embedding"),
     "train.nonfinite": ("halt", "skip"),
     "parallel.engine": ("torch", "deepspeed"),
     "log.wandb": ("off", "offline", "online"),
@@ -234,6 +238,7 @@ LEGACY_VALUES = {
     "model.mod.base_init_std": 0.02,
     "model.mod.threshold": "per_sublayer",
     "model.mod.max_sublayer_skip": None,
+    "train.flop_convention": "matmul",
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract.
 RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every")
@@ -465,3 +470,21 @@ def attention_heads(m: ModelConfig) -> tuple[int, int, int]:
 
 def expert_hidden(m: ModelConfig) -> int:
     return m.moe.expert_hidden or (4 * m.d_model) // m.moe.top_k
+
+
+ELIGIBLE_MODES = ("all", "attention", "ffn", "every_other")
+
+
+def eligible_sublayers(n_layers: int, mode: str) -> list[bool]:
+    """Which of the 2·n_layers sublayers (attention of block i at 2i, its FFN at 2i+1) may skip tokens.
+    `every_other`: both sublayers of the odd blocks (1, 3, ...), so block 0 always runs at full depth."""
+    if mode not in ELIGIBLE_MODES:
+        raise UserError(f"model.mod.sublayers: {mode!r} is not one of {', '.join(ELIGIBLE_MODES)}")
+    out = []
+    for index in range(2 * n_layers):
+        block, is_attention = index // 2, index % 2 == 0
+        out.append({"all": True, "attention": is_attention, "ffn": not is_attention,
+                    "every_other": block % 2 == 1}[mode])
+    if not any(out):
+        raise UserError(f"model.mod.sublayers: {mode!r} with model.n_layers={n_layers} leaves no sublayer to skip")
+    return out

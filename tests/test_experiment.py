@@ -116,12 +116,25 @@ def test_shipped_experiments_are_flop_matched_as_documented(tmp_path):
     assert abs(steps_of(plans["nag"].config, demo.flop_budget) - 160) < 0.01  # 160 full-depth NAG steps
     assert (plans["baseline"].config.model.residual, plans["nag"].config.model.residual) == ("prenorm", "nag")
     assert plans["nag-mod20"].config.model.mod.skip_rate == 0.2 and plans["nag"].config.model.mod.skip_rate == 0
-    for name, full_depth in (("paper", "nag-r80"), ("sweep", "nag-r20")):  # 50B tokens of that model at full depth
-        exp = load_experiment(os.path.join(REPO, f"configs/experiments/{name}.yaml"))
-        cfg = load_config(os.path.join(REPO, f"configs/paper/{full_depth}.yaml"))
-        assert abs(exp.flop_budget / (50e9 * flops_per_token(cfg.model, cfg.data.seq_len)) - 1) < 1e-5
-        assert {p.config.train.flop_budget for p in exp.plan(str(tmp_path))} == {exp.flop_budget}
-    assert len(load_experiment(os.path.join(REPO, "configs/experiments/sweep.yaml")).runs) == 9
+    # each ratio's runs share the FLOPs of its full-depth NAG model's 50B tokens, in the non_embedding convention
+    sweep = load_experiment(os.path.join(REPO, "configs/experiments/sweep.yaml"))
+    assert len(sweep.runs) == 9 and sweep.seeds == [0, 1, 2]
+    plans = sweep.plan(str(tmp_path))
+    for ratio in (80, 40, 20):
+        cfg = load_config(os.path.join(REPO, f"configs/paper/nag-r{ratio}.yaml"))
+        budget = 50e9 * flops_per_token(cfg.model, cfg.data.seq_len, convention="non_embedding")
+        mine = [p for p in plans if p.run.endswith(f"-r{ratio}")]
+        assert len(mine) == 9
+        for p in mine:
+            assert p.config.train.flop_budget == pytest.approx(budget, rel=1e-5)
+            assert p.config.train.flop_convention == "non_embedding"
+            assert (p.config.model.moe.n_experts, p.config.model.moe.top_k) == (32, 4)  # the controlled sweep
+    depth = {r: load_config(os.path.join(REPO, f"configs/paper/nag-r{r}.yaml")).model.n_layers for r in (80, 40, 20)}
+    assert depth[80] < depth[40] < depth[20]
+    paper = load_experiment(os.path.join(REPO, "configs/experiments/paper.yaml"))
+    assert {p.config.train.flop_budget for p in paper.plan(str(tmp_path))} == {
+        p.config.train.flop_budget for p in plans if p.run.endswith("-r80")}
+    assert paper.seeds == [0, 1, 2]
 
 
 # ----------------------------------------------------------------------------------------------------------

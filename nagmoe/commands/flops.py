@@ -1,5 +1,6 @@
-"""`nagmoe flops --config PATH [--executed F]`: training FLOPs per token by part, and for MoD the ideal token
-ratio against full depth, F(executed=1) / F(executed)."""
+"""`nagmoe flops --config PATH [--executed F]`: training FLOPs per token by part and in both FLOP conventions
+(matmul, non_embedding), for MoD the ideal token ratio against full depth, F(executed=1) / F(executed), in
+each, and the skip rate that would give the paper's x1.218 in each."""
 import json
 
 from nagmoe.commands.common import add_config_arguments, config_from_args
@@ -36,24 +37,40 @@ def _executed(args, cfg):
 
 
 def run(args) -> int:
-    from nagmoe.flops import flops_per_token, forward_flops_per_token, mod_token_ratio
+    from nagmoe.flops import (CONVENTIONS, PAPER_MOD_TOKEN_RATIO, convention_total, forward_flops_per_token,
+                              mod_token_ratio, skip_for_token_ratio)
 
     cfg = config_from_args(args)
     T = cfg.data.seq_len
     executed = _executed(args, cfg)
-    parts = {k: 3.0 * v for k, v in forward_flops_per_token(cfg.model, T, executed).items()}
-    full = flops_per_token(cfg.model, T, 1.0)
-    out = {"seq_len": T, "training_flops_per_token": parts, "full_depth_flops_per_token": full,
-           "ideal_token_ratio": mod_token_ratio(cfg.model, T, executed)}
+    forward = forward_flops_per_token(cfg.model, T, executed)
+    full_forward = forward_flops_per_token(cfg.model, T, 1.0)
+    parts = {k: 3.0 * v for k, v in forward.items()}
+    chosen = cfg.train.flop_convention
+    conventions = {c: {"training_flops_per_token": 3.0 * convention_total(forward, c),
+                       "full_depth_flops_per_token": 3.0 * convention_total(full_forward, c),
+                       "ideal_token_ratio": mod_token_ratio(cfg.model, T, executed, c),
+                       "skip_rate_for_paper_ratio": skip_for_token_ratio(cfg.model, T, PAPER_MOD_TOKEN_RATIO, c)}
+                   for c in CONVENTIONS}
+    out = {"seq_len": T, "training_flops_per_token": parts, "flop_convention": chosen, "conventions": conventions,
+           "full_depth_flops_per_token": conventions[chosen]["full_depth_flops_per_token"],
+           "ideal_token_ratio": conventions[chosen]["ideal_token_ratio"], "paper_token_ratio": PAPER_MOD_TOKEN_RATIO}
     if cfg.train.flop_budget:
-        out["budget_tokens"] = cfg.train.flop_budget / parts["total"]
+        out["budget_tokens"] = cfg.train.flop_budget / conventions[chosen]["training_flops_per_token"]
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"training FLOPs per token (forward + backward), seq_len {T}:")
+    print(f"training FLOPs per token (forward + backward), seq_len {T}, by part:")
     for k, v in parts.items():
         print(f"  {k:<18} {v:>16,.0f}")
-    print(f"ideal token ratio vs full depth: {out['ideal_token_ratio']:.4f}")
+    print("by convention (matmul: analytic matmul FLOPs, full T x T attention, no elementwise work; non_embedding: "
+          "the same without the unembedding):")
+    for c, v in conventions.items():
+        skip = v["skip_rate_for_paper_ratio"]
+        mark = "  <- train.flop_convention" if c == chosen else ""
+        print(f"  {c:<14} {v['training_flops_per_token']:>16,.0f} FLOPs/token; ideal token ratio vs full depth "
+              f"{v['ideal_token_ratio']:.4f}; x{PAPER_MOD_TOKEN_RATIO:.3f} (the paper's 60.9B/50B) needs "
+              f"{'no reachable skip rate' if skip is None else f'{skip:.1%} of the skippable work skipped'}{mark}")
     if "budget_tokens" in out:
-        print(f"tokens in train.flop_budget: {out['budget_tokens']:,.0f}")
+        print(f"tokens in train.flop_budget ({chosen}): {out['budget_tokens']:,.0f}")
     return 0

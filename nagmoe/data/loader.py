@@ -1,6 +1,7 @@
 """Resumable, rank-sharded loader over packed token shards (format: `nagmoe.data.shards`).
 
-Legend: B = rows per batch on this rank, T = seq_len, R = world size, W = windows in the split.
+Legend: B = rows per batch on this rank, T = seq_len, R = world size, W = windows in the split,
+S = `step_rows`, the rows of one optimizer step over all ranks (train.batch_tokens // seq_len; default R·B).
 
 Windows. Window w of the split is `seq_len + 1` ids of one shard starting at a multiple of seq_len
 (x = w[:-1], y = w[1:]); windows are numbered shard by shard, so window ids are a plain range(W).
@@ -8,12 +9,19 @@ Windows. Window w of the split is `seq_len + 1` ids of one shard starting at a m
 Order. Epoch e visits windows in the order `perm_e = default_rng([seed, e]).permutation(W)`. The global
 batch g of an epoch is `perm_e[g·R·B : (g+1)·R·B]`; rank r takes its rows `[r·B : (r+1)·B]`. So ranks are
 disjoint and together cover the epoch, and R ranks with B rows see exactly the batches of one process with
-R·B rows. The last `W mod (R·B)` windows of each epoch's order are skipped (every rank runs the same number
-of steps); the next epoch reshuffles, so no window is skipped systematically.
+R·B rows. An epoch is `W // S` optimizer steps of S / (R·B) batches each (S must be a multiple of R·B): the
+last `W mod S` windows of each epoch's order are skipped, a tail fixed by the data, the seed and S only, so
+every split of an optimizer step over ranks and accumulation micro-steps (any R, B with S rows in all) sees
+the same windows in every step of every epoch. The next epoch reshuffles, so no window is skipped
+systematically. Legacy (a loader state saved before `step_rows` existed, issue 24): the epoch is
+`W // (R·B)` batches, the tail `W mod (R·B)` skipped, and it stays so for the rest of that run.
 
-Resume. `state_dict()` holds (epoch, windows consumed this epoch, data fingerprint, seed, seq_len);
-`load_state_dict()` continues at exactly the next batch. A different world size resumes exactly too when
-the global batch R·B divides the windows consumed (e.g. the same global batch on more ranks).
+Resume. `state_dict()` holds (epoch, windows consumed this epoch, data fingerprint, seed, seq_len, S);
+`load_state_dict()` continues at exactly the next batch. A different world size or micro-batch resumes
+exactly too when the global batch R·B divides the windows consumed and S is unchanged (e.g. the same
+optimizer step on more ranks, or with more accumulation micro-steps); with another S the position is kept
+and the epoch length follows the new S. A state without S keeps the legacy epoch length; the states the
+loader then saves carry no S either.
 """
 from __future__ import annotations
 
@@ -90,8 +98,16 @@ class TokenLoader:
     """Infinite iterator of (x_BT, y_BT) int64 training batches for one data-parallel rank."""
 
     def __init__(self, data_dir: str, split: str, seq_len: int, batch_size_rows: int, seed: int,
-                 rank: int = 0, world_size: int = 1, verify: bool = True):
+                 rank: int = 0, world_size: int = 1, verify: bool = True, step_rows: Optional[int] = None):
+        """`step_rows`: rows of one optimizer step over all ranks (a multiple of world_size · batch_size_rows;
+        default that product, i.e. no accumulation); the epoch's skipped tail is `W mod step_rows`."""
         _check_positive(seq_len=seq_len, batch_size_rows=batch_size_rows, world_size=world_size)
+        if step_rows is None:
+            step_rows = world_size * batch_size_rows
+        _check_positive(step_rows=step_rows)
+        if step_rows % (world_size * batch_size_rows):
+            raise UserError(f"loader: {step_rows} rows per optimizer step are not a multiple of the global batch "
+                            f"({world_size} ranks x {batch_size_rows} rows)")
         if not 0 <= rank < world_size:
             raise UserError(f"rank {rank} is outside [0, world_size={world_size})")
         self.data = TokenShards(data_dir, split, verify=verify)
@@ -100,13 +116,22 @@ class TokenLoader:
         self._offsets = self.data.window_starts(seq_len)
         self.n_windows = int(self._offsets[-1])
         self.global_rows = world_size * batch_size_rows
-        if self.n_windows < self.global_rows:
+        if self.n_windows < step_rows:
             raise UserError(f"{os.path.join(data_dir, shards.INDEX)}: the {split} split has {self.n_windows} "
-                            f"windows of {seq_len + 1} tokens, fewer than one global batch of {self.global_rows} "
+                            f"windows of {seq_len + 1} tokens, fewer than one global batch of {step_rows} "
                             "rows; use a smaller batch or seq_len, or more data")
-        self.batches_per_epoch = self.n_windows // self.global_rows
+        self._configured_step_rows = step_rows
+        self._set_step_rows(step_rows)
         self.epoch, self.batch_in_epoch = 0, 0
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+
+    def _set_step_rows(self, step_rows: Optional[int]) -> None:
+        """None: the legacy epoch (issue 24), `W // (R·B)` batches; else `W // S` steps of S / (R·B) batches."""
+        self.step_rows = step_rows
+        if step_rows is None:
+            self.batches_per_epoch = self.n_windows // self.global_rows
+        else:
+            self.batches_per_epoch = (self.n_windows // step_rows) * (step_rows // self.global_rows)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
@@ -126,10 +151,14 @@ class TokenLoader:
         return _to_xy(self.data.gather(ids, self.seq_len, self._offsets))
 
     def state_dict(self) -> dict:
-        """JSON-able position: the next call after load_state_dict returns the batch that would come next."""
-        return {"split": self.split, "seq_len": self.seq_len, "seed": self.seed,
-                "fingerprint": self.data.fingerprint, "n_windows": self.n_windows, "epoch": self.epoch,
-                "windows_done": self.batch_in_epoch * self.global_rows}
+        """JSON-able position: the next call after load_state_dict returns the batch that would come next.
+        A legacy loader (see load_state_dict) saves no "step_rows", so its run stays legacy."""
+        state = {"split": self.split, "seq_len": self.seq_len, "seed": self.seed,
+                 "fingerprint": self.data.fingerprint, "n_windows": self.n_windows, "epoch": self.epoch,
+                 "windows_done": self.batch_in_epoch * self.global_rows}
+        if self.step_rows is not None:
+            state["step_rows"] = self.step_rows
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         now = {"split": self.split, "seq_len": self.seq_len, "seed": self.seed, "fingerprint": self.data.fingerprint}
@@ -141,6 +170,9 @@ class TokenLoader:
         if done % self.global_rows:
             raise UserError(f"loader state: {done} windows consumed is not a multiple of the global batch "
                             f"({self.world_size} ranks x {self.batch_size_rows} rows); keep the global batch")
+        # no "step_rows": a state from before issue 24, whose epoch skipped the tail W mod (R·B) (legacy); a
+        # state with another S (a forced resume with another batch) keeps its position, the epoch follows S now
+        self._set_step_rows(None if state.get("step_rows") is None else self._configured_step_rows)
         self.epoch, self.batch_in_epoch = int(state["epoch"]), done // self.global_rows
 
 

@@ -24,24 +24,8 @@ from typing import Callable, Optional
 
 import torch
 
-from nagmoe.errors import UserError
+from nagmoe.schema import ELIGIBLE_MODES, eligible_sublayers  # noqa: F401  (the MoD eligibility rule)
 
-ELIGIBLE_MODES = ("all", "attention", "ffn", "every_other")
-
-
-def eligible_sublayers(n_layers: int, mode: str) -> list[bool]:
-    """Which of the 2·n_layers sublayers (attention of block i at 2i, its FFN at 2i+1) may skip tokens.
-    `every_other`: both sublayers of the odd blocks (1, 3, ...), so block 0 always runs at full depth."""
-    if mode not in ELIGIBLE_MODES:
-        raise UserError(f"model.mod.sublayers: {mode!r} is not one of {', '.join(ELIGIBLE_MODES)}")
-    out = []
-    for index in range(2 * n_layers):
-        block, is_attention = index // 2, index % 2 == 0
-        out.append({"all": True, "attention": is_attention, "ffn": not is_attention,
-                    "every_other": block % 2 == 1}[mode])
-    if not any(out):
-        raise UserError(f"model.mod.sublayers: {mode!r} with model.n_layers={n_layers} leaves no sublayer to skip")
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ from nagmoe.flops import executed_flops_per_token
 
 
 class ModAccount:
-    def __init__(self, model_cfg, seq_len: int, calibrator, state: Optional[dict] = None, step: int = 0):
-        self.model_cfg, self.seq_len, self.cal = model_cfg, seq_len, calibrator
+    def __init__(self, model_cfg, seq_len: int, calibrator, state: Optional[dict] = None, step: int = 0,
+                 convention: str = "matmul"):
+        self.model_cfg, self.seq_len, self.cal, self.convention = model_cfg, seq_len, calibrator, convention
         n = calibrator.n_sublayers
         self.state = dict(state) if state else {"since_step": step, "skipping_steps": 0, "skipping_tokens": 0.0,
                                                 "executed_skipping": [0.0] * n, "flops_executed": 0.0}
@@ -29,7 +30,8 @@ class ModAccount:
         last = self.cal.last_step
         executed, padded = last["executed"], last["padded"]
         s = self.state
-        s["flops_executed"] += executed_flops_per_token(self.model_cfg, self.seq_len, executed, padded) * batch_tokens
+        s["flops_executed"] += executed_flops_per_token(self.model_cfg, self.seq_len, executed, padded,
+                                                        self.convention) * batch_tokens
         if last["skipping"]:
             s["skipping_steps"] += 1
             s["skipping_tokens"] += last["tokens"]

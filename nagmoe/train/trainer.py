@@ -151,8 +151,9 @@ class Trainer:
             else:
                 self.optim = build_optimizers(self.model, t)
             verify = cfg.data.verify_shards
+            # the epoch's skipped tail is per optimizer step, so every rank/micro-batch split sees the same tokens
             self.loader = TokenLoader(cfg.data.data_dir, "train", seq, self.micro_rows, t.seed, rank, world_size,
-                                      verify=verify)
+                                      verify=verify, step_rows=self.global_rows)
             self.val_shards = TokenShards(cfg.data.data_dir, "val", verify=verify)
             self.token_bytes = token_bytes(cfg.data.data_dir)
             self.progress = Progress()
@@ -167,7 +168,8 @@ class Trainer:
                 self._log(f"resumed from {latest} at step {self.progress.step}")
             calibrator = self.model.mod_calibrator()
             self.mod_account = None if calibrator is None else ModAccount(
-                m, cfg.data.seq_len, calibrator, self.progress.mod_account, self.progress.step)
+                m, cfg.data.seq_len, calibrator, self.progress.mod_account, self.progress.step,
+                getattr(t, "flop_convention", "matmul"))
             if self.rank == 0:  # also from step 0: a run killed before its first checkpoint logged steps already
                 truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), self.progress.step)
             # DDP for the replicated parameters (after the load: its start-up broadcast then changes nothing)
@@ -246,8 +248,8 @@ class Trainer:
         return self.mesh.mean(local)
 
     def step_flops(self) -> float:
-        return flops_per_token(self.cfg.model, self.cfg.data.seq_len, self.executed_fractions()) \
-            * self.cfg.train.batch_tokens
+        return flops_per_token(self.cfg.model, self.cfg.data.seq_len, self.executed_fractions(),
+                               self.cfg.train.flop_convention) * self.cfg.train.batch_tokens
 
     def should_stop(self) -> bool:
         t = self.cfg.train

@@ -80,7 +80,7 @@ def test_autograd_agrees_with_the_analytic_gradient_of_the_step_gain_form():
 
 
 def r40_copy(name: str, *overrides):
-    """configs/paper/NAME.yaml with only d_model and expert_hidden reduced (26 layers, 16 experts, top-1, C 64,
+    """configs/paper/NAME.yaml with only d_model and expert_hidden reduced (its n_layers, n_experts, top_k, C,
     init scales and the warm-up state as built)."""
     cfg = load_config(os.path.join(REPO, "configs", "paper", f"{name}.yaml"),
                       ["model.d_model=128", "model.moe.expert_hidden=64",
