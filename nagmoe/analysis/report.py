@@ -178,9 +178,10 @@ def comparisons(pairs, nums) -> str:
         a, b = nums[p.reference], nums[p.variant]
         out.append(f"<h3>{esc(PAIR_TITLES[p.kind])}: {esc(p.variant)} vs {esc(p.reference)}</h3>")
         items = []
-        bpb = noise_statement(a["val_bpb"], b["val_bpb"], "val bpb")
+        names = (p.variant, p.reference)
+        bpb = noise_statement(a["val_bpb"], b["val_bpb"], "val bpb", names=names)
         items.append(f"val bpb difference ({p.variant} - {p.reference}): {num(bpb['diff'], '+.4f')} — {bpb['text']}")
-        loss = noise_statement(a["val_loss"], b["val_loss"], "val loss", " nats")
+        loss = noise_statement(a["val_loss"], b["val_loss"], "val loss", " nats", names=names)
         if loss["diff"] is not None:
             items.append(f"val loss difference (nats, analysis windows): {loss['diff']:+.4f} — {loss['text']}")
         if a["eval_accuracy"] and b["eval_accuracy"]:
@@ -363,7 +364,10 @@ def references(pairs, nums, groups) -> str:
             ta, tb = _m(a["tokens"]), _m(b["tokens"])
             if ta and tb:
                 found["mod_tokens"] = (f"{tb:,.0f} vs {ta:,.0f} (x{tb / ta:.3f}) at skip rate "
-                                       f"{b['target_skip_rate']:.0%}")
+                                       f"{b['target_skip_rate']:.0%}, budget in the "
+                                       f"{groups[p.variant][0].config.train.flop_convention} convention")
+            found["mod_tokens"] = "; ".join(filter(None, [found.get("mod_tokens"), _ratio_by_convention(
+                groups[p.variant][0].config)]))
             la, lb = _m(a["val_loss"]), _m(b["val_loss"])
             ba, bb = _m(a["val_bpb"]), _m(b["val_bpb"])
             found["mod_loss"] = "; ".join(([f"{lb - la:+.4f} nats (val loss)"] if la is not None and lb is not None
@@ -378,6 +382,16 @@ def references(pairs, nums, groups) -> str:
                       "<ul>" + "".join(f"<li>{esc(s)}</li>" for s in sources) + "</ul>",
                       para("Their numbers come from runs thousands of times larger than a CPU demo; they show the "
                            "direction to look for, not a value a small run should reach.", "note")])
+
+
+def _ratio_by_convention(cfg) -> str:
+    """The ideal MoD token ratio of a config in both FLOP conventions (the paper's unit is not public)."""
+    from nagmoe.flops import CONVENTIONS, mod_token_ratio
+
+    skip = cfg.model.mod.skip_rate
+    ratios = ", ".join(f"x{mod_token_ratio(cfg.model, cfg.data.seq_len, 1.0 - skip, c):.3f} {c}" for c in CONVENTIONS)
+    return (f"ideal at {skip:.0%} skipped work: {ratios} (the paper's FLOP unit and its definition of 20% are not "
+            "public: neither of ours can be declared theirs)")
 
 
 def _analysis(rs):

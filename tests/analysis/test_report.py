@@ -97,7 +97,7 @@ def test_three_run_experiment_renders_every_section_and_figure(experiment):
     comparisons = section(html, "comparisons")
     assert "NAG vs pre-norm baseline: nag vs baseline" in comparisons
     assert "MoD vs full depth: nag-mod20 vs nag" in comparisons
-    assert re.search(r"(inside|outside) the noise: \|difference\|", comparisons)
+    assert re.search(r"below what 2 seeds resolve|ahead of|behind", comparisons)
     kinds = {(p["kind"], p["reference"], p["variant"]) for p in data["pairs"]}
     assert kinds == {("nag_vs_baseline", "baseline", "nag"), ("mod_vs_full", "nag", "nag-mod20")}
     # MoD table: the MoD run, its full-depth partner, and the paper's row labelled as theirs
