@@ -132,8 +132,14 @@ def overview(title, description, records, groups, nums, unigram, opts) -> str:
                         "(forward + backward, executed work only under MoD); used "
                         + (f"{min(used):.1%}-{max(used):.1%}" if used else "n/a") + " of it."))
     elif records:
-        out.append(para("Not FLOP-matched: the runs have different (or no) train.flop_budget: "
-                        + ", ".join(f"{g} {num(n['flop_budget'], '.4g')}" for g, n in nums.items()), "bad"))
+        pairs = [p for p in find_pairs(groups) if p.kind != "vs_first"]
+        listing = ", ".join(f"{g} {num(n['flop_budget'], '.4g')}" for g, n in nums.items())
+        if pairs and None not in budgets and all(
+                nums[p.reference]["flop_budget"] == nums[p.variant]["flop_budget"] for p in pairs):
+            out.append(para("FLOP-matched within each comparison (a sweep: every pair below shares its budget, "
+                            "ratios differ): " + listing))
+        else:
+            out.append(para("Not FLOP-matched: the runs have different (or no) train.flop_budget: " + listing, "bad"))
     for data_dir, value in unigram.items():
         out.append(para(f"Unigram baseline of {data_dir} (token frequencies of the train split, on the validation "
                         f"split): {num(value)} bpb — a model that ignores context; every run must beat it."))
