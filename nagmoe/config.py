@@ -162,6 +162,8 @@ def validate_config(cfg: Config) -> None:
     if m.mod.skip_rate > 0 and m.residual != "nag":
         raise ConfigError("model.mod.skip_rate: MoD needs model.residual=nag (the rotation score routes)")
     _check_mod_thresholds(m.mod)
+    if m.moe.capacity_factor is not None and not m.moe.capacity_factor > 0:
+        raise ConfigError(f"model.moe.capacity_factor: {m.moe.capacity_factor} must be > 0 (or null: dropless)")
     if m.nag.beta_init <= 0:
         raise ConfigError(f"model.nag.beta_init: {m.nag.beta_init} must be > 0")
     if cfg.data.seq_len > m.max_seq_len:

@@ -76,6 +76,10 @@ class MoEConfig:
     # step_gain = the NAG step gain times S / stopgrad(S), S = the token's summed top-k gate weight (forward
     # unchanged); none = only through the branch output, which NAG normalises (top-1: no gradient at all).
     gate_grad: str = "step_gain"
+    # null = dropless (default). A factor f: in training, each expert takes at most ceil(f·N·K/E) routing slots
+    # of a micro-batch of N tokens on this rank (the first in token order); the overflow gets no expert output
+    # (under NAG no update, under MoD the base update only). Evaluation and generation stay dropless.
+    capacity_factor: Optional[float] = None
 
 
 @dataclass

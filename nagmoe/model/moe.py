@@ -12,8 +12,12 @@ Pipeline of one forward call:
               S = Σ_k gate_k cancels (exactly for top-1): with `gate_scale_output` the layer also returns
               gate_scale_N = S / stopgrad(S) (= 1 in the forward), which the NAG stream multiplies into the
               step gain, so ∂L/∂log S = g·∂L/∂g (docs/decisions.md, "router gradient under NAG").
-  2. dispatch slots sorted by expert (stable argsort), each slot a copy of its token: x_SD. No capacity,
-              no token dropped.
+  2. dispatch slots sorted by expert (stable argsort), each slot a copy of its token: x_SD. Dropless unless
+              `model.moe.capacity_factor` f is set and the layer is training: then expert e keeps the first
+              C = ceil(f·N·K/E) of its slots in token order (a later token never displaces an earlier one)
+              and the rest get no expert output (y = 0 for that slot; a token with every slot dropped has
+              f = 0: no NAG update, under MoD the base update only). This bounds what an expert-parallel rank
+              receives from each source to C rows per local expert.
   3. experts  y_SD = relu(x_SD @ w_in[e])² @ w_out[e], by the backend from `nagmoe.ops.grouped_experts`.
   4. combine  unpermute the slots back to (N, K, D) and sum with the gate weights,
               y_ND = Σ_k gate_NK · y_NKD. A permutation + sum over K instead of index_add: no colliding
@@ -21,6 +25,7 @@ Pipeline of one forward call:
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -107,6 +112,7 @@ class MoELayer(nn.Module):
         self.w_in = nn.Parameter(torch.empty(cfg.n_experts, d_model, hidden))
         self.w_out = nn.Parameter(torch.empty(cfg.n_experts, hidden, d_model))
         self.gate_scale_output = gate_scale_output
+        self.capacity_factor = getattr(cfg, "capacity_factor", None)
         self.last_stats: dict[str, torch.Tensor] = {}
         # Token movement hook, set from outside (nagmoe.parallel): `dispatcher(layer, x_SD, counts_E) -> y_SD`
         # replaces the local expert call; an expert-parallel one also holds only this rank's slice of
@@ -124,6 +130,12 @@ class MoELayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_experts={self.n_experts}, top_k={self.top_k}, hidden={self.hidden}, "
                 f"backend={self.backend}")
+
+    def capacity(self, n_tokens: int) -> Optional[int]:
+        """Routing slots each expert may take from a micro-batch of `n_tokens` (None = dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return max(1, math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts))
 
     def run_experts(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Expert MLPs on slots sorted by expert (the seam an expert-parallel dispatcher replaces)."""
@@ -150,8 +162,21 @@ class MoELayer(nn.Module):
         order_S = torch.argsort(expert_NK.reshape(-1), stable=True)
         x_SD = x_ND.unsqueeze(1).expand(N, K, D).reshape(N * K, D)[order_S]
 
-        # 3. experts
-        y_SD = self.run_experts(x_SD, counts_E)
+        # 3. experts (with a capacity: only the kept slots travel; the dropped ones get y = 0)
+        capacity = self.capacity(N) if self.training else None
+        keep_S = None
+        if capacity is None:
+            y_SD = self.run_experts(x_SD, counts_E)
+            dropped = counts_E.new_zeros(())
+        else:
+            expert_S = expert_NK.reshape(-1)[order_S]
+            position_S = torch.arange(N * K, device=x_SD.device) - (counts_E.cumsum(0) - counts_E)[expert_S]
+            keep_S = position_S < capacity
+            kept_E = counts_E.clamp(max=capacity)
+            index_S = keep_S.nonzero().squeeze(1)
+            y_kept = self.run_experts(x_SD.index_select(0, index_S), kept_E)
+            y_SD = y_kept.new_zeros(N * K, D).index_copy(0, index_S, y_kept)
+            dropped = counts_E.sum() - kept_E.sum()
 
         # 4. combine: undo the sort, then y_ND = Σ_k gate_NK · y_NKD
         unsort_S = torch.empty_like(order_S)
@@ -161,8 +186,15 @@ class MoELayer(nn.Module):
 
         self.last_stats = {"lb_loss": lb.detach(), "z_loss": z.detach(), "tokens_per_expert": counts_E.detach(),
                            "router_entropy_sum": torch.special.entr(probs_NE.detach()).sum(),
-                           "router_tokens": torch.tensor(N, device=probs_NE.device)}
+                           "router_tokens": torch.tensor(N, device=probs_NE.device), "dropped_slots": dropped}
         if not self.gate_scale_output:
             return y_ND.view(B, T, D), aux_loss
-        s_N = gate_NK.sum(dim=1)  # the token's summed gate weight S (fp32)
-        return y_ND.view(B, T, D), aux_loss, (s_N / s_N.detach()).view(B, T)
+        if keep_S is None:
+            s_N = gate_NK.sum(dim=1)  # the token's summed gate weight S (fp32)
+            return y_ND.view(B, T, D), aux_loss, (s_N / s_N.detach()).view(B, T)
+        # with a capacity S sums the kept slots; a token with none kept has no update: gate scale 1, no gradient
+        s_N = (gate_NK * keep_S[unsort_S].view(N, K)).sum(dim=1)
+        live_N = s_N > 0
+        scale_N = torch.where(live_N, s_N / torch.where(live_N, s_N, torch.ones_like(s_N)).detach(),
+                              torch.ones_like(s_N))
+        return y_ND.view(B, T, D), aux_loss, scale_N.view(B, T)

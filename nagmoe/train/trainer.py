@@ -399,7 +399,7 @@ class Trainer:
 
             dist.all_reduce(flat)
         step = step.from_flat(flat)
-        self._router_interval.add_tensors(step.counts_LE, step.entropy_L, step.tokens_L)
+        self._router_interval.add_tensors(step.counts_LE, step.entropy_L, step.tokens_L, step.dropped_L)
         counts = step.counts_LE
         worst = float((counts.max(1).values / counts.mean(1).clamp_min(1e-9)).max())
         if not report:
