@@ -38,6 +38,8 @@ def add_arguments(p):
     s.add_argument("--sbatch-arg", action="append", default=[], metavar="OPTION",
                    help="extra #SBATCH option, verbatim (repeatable), e.g. --sbatch-arg=--exclusive")
     s.add_argument("--force", action="store_true", help="resume even if the config differs (train --force)")
+    s.add_argument("--gpu-memory", type=float, default=80.0, metavar="GB",
+                   help="memory of one GPU; --dry-run warns when the layout's estimate exceeds it (default 80)")
     s.add_argument("--array", type=int, default=None, metavar="N",
                    help="data preparation instead of training: N corpus slices as a job array + merge")
     mode = s.add_mutually_exclusive_group()
@@ -82,6 +84,8 @@ def run(args) -> int:
     slurm.check_resume_config(run_dir, config_yaml, args.force)
     script = slurm.render_train_script(opts, run_dir, force=args.force)
     if args.dry_run:
+        if not opts.cpu_mode:
+            _warn_memory(cfg, opts, args.gpu_memory)
         sys.stdout.write(script)
         return 0
     paths = slurm.write_files(run_dir, config_yaml, {slurm.TRAIN_TEMPLATE: script})
@@ -94,6 +98,27 @@ def run(args) -> int:
     print(f"submitted job {job}: {opts.nodes} node(s) x {opts.procs_per_node} rank(s); run dir {run_dir}; "
           f"log {log}")
     return 0
+
+
+def _warn_memory(cfg, opts, gpu_memory_gb: float) -> None:
+    """The per-rank estimate of this layout (nagmoe/train/memory.py) on stderr, with a warning when it does
+    not fit one GPU of `gpu_memory_gb` GB."""
+    from nagmoe.train.memory import GIB, estimate_memory
+
+    if not gpu_memory_gb > 0:
+        raise UserError(f"--gpu-memory: {gpu_memory_gb} must be > 0 (GB)")
+    world = opts.nodes * opts.procs_per_node
+    tokens = cfg.train.micro_batch_tokens or cfg.train.batch_tokens // world
+    est = estimate_memory(cfg, cfg.parallel.ep, tokens, "cuda", world)
+    need = est["total"] / 1e9
+    line = (f"[nagmoe] memory estimate per rank: {need:.1f} GB ({est['total'] / GIB:.1f} GiB: activations "
+            f"{est['activations'] / 1e9:.1f} GB for {tokens:,} tokens per micro-step, worst-case expert receive "
+            f"{est['receive_worst'] / 1e9:.1f} GB; `nagmoe params --memory` for every part)")
+    print(line, file=sys.stderr)
+    if need > gpu_memory_gb:
+        print(f"[nagmoe] WARNING: the layout does not fit a {gpu_memory_gb:g} GB GPU: lower train.micro_batch_tokens "
+              "(more accumulation steps), turn on train.activation_checkpointing, set model.moe.capacity_factor, "
+              "or use more ranks", file=sys.stderr)
 
 
 def _run_prepare(args, opts, cfg) -> int:

@@ -21,6 +21,13 @@ def add_arguments(p):
                    help="exit 1 unless active is within --active-tolerance and total within --total-tolerance")
     p.add_argument("--active-tolerance", type=float, default=0.05)
     p.add_argument("--total-tolerance", type=float, default=0.10)
+    p.add_argument("--memory", action="store_true", help="bytes per rank of a training layout (nagmoe/train/memory.py)")
+    p.add_argument("--ep", type=int, default=None, help="--memory: expert-parallel degree (default parallel.ep)")
+    p.add_argument("--world-size", type=int, default=None, help="--memory: ranks (default: --ep)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="--memory: tokens per rank per micro-step (default train.micro_batch_tokens)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="--memory: cuda (bf16 autocast, CUDA context) or cpu (fp32, what tests check against RSS)")
 
 
 def _fmt(n: float) -> str:
@@ -56,6 +63,8 @@ def run(args) -> int:
                   f"max error {lay.error:.2%}")
             print(dump_yaml(cfg).split("data:")[0], end="")
         return 0
+    if args.memory:
+        return _memory(cfg, args)
     counts = param_counts(cfg.model)
     if args.check:
         return _check(cfg.model, args)
@@ -89,3 +98,18 @@ def _check(model, args) -> int:
             print(f"{residual:<8} {key:<6} {_fmt(c[key]):>10} vs {_fmt(target)}: {err:+.1%} "
                   f"({'ok' if inside else 'OUTSIDE'} ±{tol:.0%})")
     return 0 if ok else 1
+
+
+def _memory(cfg, args) -> int:
+    from nagmoe.train.memory import estimate_memory, format_memory
+
+    for flag in ("ep", "world_size", "micro_batch_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')}: {value} must be >= 1")
+    ep = args.ep or cfg.parallel.ep
+    if cfg.model.ffn == "moe" and cfg.model.moe.n_experts % ep:
+        raise UserError(f"--ep: {ep} does not divide model.moe.n_experts={cfg.model.moe.n_experts}")
+    est = estimate_memory(cfg, ep, args.micro_batch_tokens, args.device, args.world_size)
+    print(json.dumps(est) if args.json else format_memory(est))
+    return 0

@@ -1,0 +1,182 @@
+"""Memory per rank of a training layout, before anything is queued (issue 25): the one estimator behind
+`nagmoe params --memory`, `nagmoe launch slurm --dry-run` (warns when a layout does not fit --gpu-memory) and
+the GPU-ready step.
+
+Parts, in bytes per rank (N = tokens of one micro-batch on the rank, P = parallel.ep, L = E/P local experts):
+  parameters        fp32 master weights: every replicated parameter + 1/P of every expert stack
+  gradients         the same again (fp32)
+  ddp_buckets       DDP's flat bucket copy of the replicated gradients (world size > 1; not a bucket view)
+  optimizer         by role: Muon keeps one momentum per matrix, AdamW two moments (train.optimizer=adamw:
+                    every role AdamW); `optimizer_workspace`: Newton-Schulz temporaries, ~4 copies of the largest
+                    matrix in its dtype (bf16 on CUDA, fp32 on CPU)
+  activations       what autograd saves for the backward of one micro-batch, *measured* on the real widths: a
+                    1-block and a 2-block copy of the model (same width, experts, vocabulary, residual,
+                    attention, activation checkpointing) run forward on 64 and on 128 tokens under
+                    `saved_tensors_hooks` (CUDA mode: CPU autocast bf16, matching the GPU's matmul outputs; NAG
+                    lanes, logits and loss fp32 as in the model). The two token counts separate bytes per
+                    token from bytes per forward (autocast's bf16 weight copies); the two depths separate a
+                    block from the embedding/decode/loss part; scaled to n_layers and the micro-batch's
+                    tokens. Attention is counted as linear in the sequence (flash/efficient SDPA save the
+                    log-sum-exp, not the T x T matrix; `model.attention.impl=math` would save more). Eager and
+                    full depth (MoD skipping and torch.compile only lower it: an upper bound for both).
+  backward_transient  the fp32 logits' gradient and the loss's (2 x N x vocab x 4 bytes), the largest tensors the
+                    backward creates at once
+  receive_worst     expert parallelism: dropless, one rank may receive every slot of all P sources (P·N·K rows
+                    of x, the two hidden activations and y); with model.moe.capacity_factor f at most
+                    P·L·ceil(f·N·K/E) rows. The balanced case (N·K rows) is inside `activations` already.
+  runtime           CUDA context and NCCL (~1 GiB, typical) on cuda; on cpu the process baseline (Python, torch
+                    and nagmoe imported; measured below)
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Optional
+
+import torch
+
+from nagmoe.schema import expert_hidden
+
+GIB = 2 ** 30
+CUDA_RUNTIME_BYTES = 1 * GIB  # CUDA context + NCCL communicators and buffers, typical for one H100 rank
+# RSS of `python -c "import torch, nagmoe.train.trainer"` on the 2-core CPU VM (2026-12-01): 0.43 GB
+CPU_PROCESS_BYTES = 430 * 2 ** 20
+NS_COPIES = 4  # Newton-Schulz holds X, X Xᵀ, its square and the update of the largest matrix at once
+
+
+def _meta_model(model_cfg):
+    from nagmoe.model import build_model
+
+    with torch.device("meta"):
+        return build_model(model_cfg)
+
+
+def parameter_bytes(model_cfg, ep: int, optimizer: str, device: str) -> dict:
+    """Parameters, gradients, optimizer states by role and the Newton-Schulz workspace of one rank."""
+    from nagmoe.model.roles import MATRIX, param_roles
+
+    model = _meta_model(model_cfg)
+    roles = param_roles(model)
+    expert = {n for n, _ in model.named_parameters() if n.endswith((".w_in", ".w_out"))}
+    rank_numel, replicated, by_role, largest = 0, 0, {}, 0
+    for name, p in model.named_parameters():
+        numel = p.numel() // ep if name in expert else p.numel()
+        rank_numel += numel
+        replicated += 0 if name in expert else numel
+        role = roles[name]
+        muon = optimizer == "muon" and role == MATRIX
+        by_role[role] = by_role.get(role, 0) + numel * 4 * (1 if muon else 2)
+        if muon:
+            largest = max(largest, p.shape[-2] * p.shape[-1])
+    ns_bytes = 2 if device == "cuda" else 4
+    return {"parameters": rank_numel * 4, "gradients": rank_numel * 4, "replicated_bytes": replicated * 4,
+            "optimizer": sum(by_role.values()), "optimizer_by_role": by_role,
+            "optimizer_workspace": NS_COPIES * largest * ns_bytes}
+
+
+def _saved_bytes(model, idx_BT, autocast: bool) -> int:
+    """Bytes autograd saves for one forward of `model` on `idx_BT`, each storage once (views share it)."""
+    seen = {}
+
+    def pack(t):
+        try:
+            storage = t.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            key, size = id(t), t.numel() * t.element_size()
+        seen[key] = size
+        return t
+
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+        out = model(idx_BT, idx_BT)
+        del out
+    return sum(seen.values())
+
+
+PROBE_TOKENS = (64, 128)
+
+
+def activation_bytes(model_cfg, tokens: int, device: str, checkpointing: bool = False) -> dict:
+    """Saved activations of one micro-batch of `tokens` tokens (module docstring: measured on 1- and 2-block
+    copies at the real widths, at two token counts)."""
+    from nagmoe.model import build_model
+
+    saved = {}
+    for n_layers in (1, 2):
+        cfg = copy.deepcopy(model_cfg)
+        cfg.n_layers = n_layers
+        cfg.mod.skip_rate = 0.0  # full depth: skipping only saves
+        torch.manual_seed(0)
+        model = build_model(cfg).train()
+        if checkpointing:
+            from nagmoe.train.speed import enable_activation_checkpointing
+
+            enable_activation_checkpointing(model)
+        for t in PROBE_TOKENS:
+            idx = torch.randint(0, cfg.vocab_size, (1, t), generator=torch.Generator().manual_seed(0))
+            saved[n_layers, t] = _saved_bytes(model, idx, autocast=device == "cuda")
+        del model
+    t1, t2 = PROBE_TOKENS
+
+    def per_token(n):  # bytes per token and per forward of the n-block copy
+        slope = (saved[n, t2] - saved[n, t1]) / (t2 - t1)
+        return slope, saved[n, t1] - slope * t1
+
+    (tok1, fwd1), (tok2, fwd2) = per_token(1), per_token(2)
+    block_tok, block_fwd = max(0.0, tok2 - tok1), max(0.0, fwd2 - fwd1)
+    rest_tok, rest_fwd = max(0.0, tok1 - block_tok), max(0.0, fwd1 - block_fwd)
+    L = model_cfg.n_layers
+    return {"activations": int(tokens * (L * block_tok + rest_tok) + L * block_fwd + rest_fwd),
+            "activations_per_token_block": block_tok, "activations_per_token_rest": rest_tok,
+            "backward_transient": 2 * tokens * model_cfg.vocab_size * 4}
+
+
+def receive_worst_bytes(model_cfg, tokens: int, ep: int, device: str) -> int:
+    """The dropless worst case of one MoE layer's expert-parallel receive (module docstring); 0 without EP."""
+    if ep <= 1 or model_cfg.ffn != "moe":
+        return 0
+    moe = model_cfg.moe
+    K, E, D, H = moe.top_k, moe.n_experts, model_cfg.d_model, expert_hidden(model_cfg)
+    rows = ep * tokens * K
+    factor = getattr(moe, "capacity_factor", None)
+    if factor is not None:
+        rows = min(rows, ep * (E // ep) * math.ceil(factor * tokens * K / E))
+    act = 2 if device == "cuda" else 4
+    return rows * (2 * D + 2 * H) * act
+
+
+def estimate_memory(cfg, ep: Optional[int] = None, micro_batch_tokens: Optional[int] = None,
+                    device: str = "cuda", world_size: Optional[int] = None) -> dict:
+    """Bytes per rank by part and their `total` for `cfg` at this layout (module docstring)."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be cuda or cpu, got {device!r}")
+    ep = ep or cfg.parallel.ep
+    seq = cfg.data.seq_len
+    tokens = micro_batch_tokens or cfg.train.micro_batch_tokens or cfg.train.batch_tokens
+    rows = max(1, tokens // seq)
+    world = world_size if world_size is not None else ep
+    out = {"layout": {"ep": ep, "world_size": world, "micro_batch_tokens": rows * seq, "device": device}}
+    params = parameter_bytes(cfg.model, ep, cfg.train.optimizer, device)
+    out.update(params)
+    out["ddp_buckets"] = params["replicated_bytes"] if world > 1 else 0
+    out.update(activation_bytes(cfg.model, rows * seq, device, getattr(cfg.train, "activation_checkpointing", False)))
+    out["receive_worst"] = receive_worst_bytes(cfg.model, rows * seq, ep, device)
+    out["runtime"] = CUDA_RUNTIME_BYTES if device == "cuda" else CPU_PROCESS_BYTES
+    parts = ("parameters", "gradients", "ddp_buckets", "optimizer", "optimizer_workspace", "activations",
+             "backward_transient", "receive_worst", "runtime")
+    out["total"] = sum(out[k] for k in parts)
+    out["parts"] = list(parts)
+    return out
+
+
+def format_memory(est: dict) -> str:
+    lay = est["layout"]
+    lines = [f"memory per rank ({lay['device']}, ep {lay['ep']}, world {lay['world_size']}, micro-batch "
+             f"{lay['micro_batch_tokens']:,} tokens):"]
+    for k in est["parts"]:
+        lines.append(f"  {k:<20} {est[k] / GIB:9.2f} GiB")
+        if k == "optimizer":
+            lines += [f"    {role:<18} {b / GIB:9.2f} GiB" for role, b in est["optimizer_by_role"].items()]
+    lines.append(f"  {'total':<20} {est['total'] / GIB:9.2f} GiB")
+    return "\n".join(lines)
