@@ -246,6 +246,10 @@ LEGACY_VALUES = {
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract.
 RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every")
+# Keys of the parallel layout that may change too (issue 25): the torch engine reshards a checkpoint on load
+# (nagmoe.checkpoint.torch_layout), so a run resumes on another world size, EP degree or micro-batch; the
+# global batch (train.batch_tokens) may not change.
+RESUMABLE_LAYOUT_KEYS = ("parallel.ep", "train.micro_batch_tokens")
 
 
 # ----------------------------------------------------------------------------------------------------------

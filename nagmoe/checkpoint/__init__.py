@@ -6,8 +6,9 @@ nagmoe.parallel: the engines and commands import from it).
   torch_layout.py     the torch engine's checkpoint: DCP tensors (EP experts as DTensors), save and load
   deepspeed_layout.py the DeepSpeed engine's files and the whole-model reader of them
   safe_dcp.py         DCP loading without arbitrary unpickling (restricted unpickler, weights_only planner)
-  rng.py              every RNG state as JSON
-  resume.py           which checkpoint a run resumes from (newest valid; refusing to start over silently)
+  rng.py              every RNG state as JSON; which state a rank restores on another world size
+  resume.py           which checkpoint a run resumes from (newest valid; refusing to start over silently), and
+                      the layout it was saved on (another one: resharded by the torch engine, refused on DeepSpeed)
   run_dir.py          the run dir's config, provenance and summary files; resume config checks
   reader.py           one reader for both layouts: the whole model in one process
   consolidate.py      one single-file checkpoint (consolidated.pt) from either layout
@@ -16,13 +17,14 @@ from nagmoe.checkpoint.deepspeed_layout import deepspeed_model_state
 from nagmoe.checkpoint.files import (CHECKPOINTS, MANIFEST, STATE, checkpoint_name, list_checkpoints,
                                      read_checkpoint_state, unfinished_writes, verify_checkpoint)
 from nagmoe.checkpoint.reader import checkpoint_format, load_model_weights
-from nagmoe.checkpoint.resume import latest_valid_checkpoint, resume_checkpoint
+from nagmoe.checkpoint.resume import check_resume_layout, latest_valid_checkpoint, resume_checkpoint
 from nagmoe.checkpoint.rng import capture_rng_state, restore_rng_state
 from nagmoe.checkpoint.safe_dcp import UnsafeCheckpoint, safe_dcp_load
 from nagmoe.checkpoint.torch_layout import load_checkpoint, save_checkpoint
 
 __all__ = [
-    "CHECKPOINTS", "MANIFEST", "STATE", "UnsafeCheckpoint", "capture_rng_state", "checkpoint_format",
+    "CHECKPOINTS", "MANIFEST", "STATE", "UnsafeCheckpoint", "capture_rng_state", "check_resume_layout",
+    "checkpoint_format",
     "checkpoint_name", "deepspeed_model_state", "latest_valid_checkpoint", "list_checkpoints", "load_checkpoint",
     "load_model_weights",
     "read_checkpoint_state", "restore_rng_state", "resume_checkpoint", "safe_dcp_load", "save_checkpoint",

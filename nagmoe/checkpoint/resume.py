@@ -5,8 +5,8 @@ import logging
 import os
 from typing import Optional
 
-from nagmoe.checkpoint.files import (CHECKPOINTS, fsync_dir, is_valid_checkpoint, list_checkpoints, unfinished_writes,
-                                     verify_checkpoint)
+from nagmoe.checkpoint.files import (CHECKPOINTS, fsync_dir, is_valid_checkpoint, list_checkpoints,
+                                     read_checkpoint_state, unfinished_writes, verify_checkpoint)
 from nagmoe.checkpoint.publish import remove_dir
 from nagmoe.errors import UserError
 
@@ -93,3 +93,41 @@ def resume_checkpoint(run_dir: str, force: bool = False) -> Optional[str]:
                         "above name any); refusing to start the run over: restore or move them away, or pass "
                         "--force")
     return latest
+
+
+def saved_layout(path: str, run_dir: str) -> dict:
+    """{"world_size", "ep", "micro_batch_tokens"} a checkpoint was saved on. World size and EP degree are the
+    checkpoint's own record (state.json "layout"; a checkpoint older than that record: its number of RNG
+    states and the run dir's parallel.ep); train.micro_batch_tokens is the run dir's config.yaml, i.e. the
+    last start's (a resume refused here has not written it)."""
+    from nagmoe.checkpoint.run_dir import read_saved_config
+
+    try:
+        state = read_checkpoint_state(path)
+        rngs, layout = state.get("rng"), state.get("layout") or {}
+        world_size = layout.get("world_size", len(rngs) if isinstance(rngs, list) else None)
+        ep = layout.get("ep")
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"checkpoint {path}: unreadable state.json ({type(e).__name__})") from None
+    config = read_saved_config(run_dir)
+    return {"world_size": world_size, "ep": ep if ep is not None else config.parallel.ep if config is not None else 1,
+            "micro_batch_tokens": config.train.micro_batch_tokens if config is not None else None}
+
+
+def check_resume_layout(path: str, run_dir: str, cfg, world_size: int) -> Optional[str]:
+    """Before a resume writes anything: None when checkpoint `path` of `run_dir` was saved on the layout
+    (world size, parallel.ep, train.micro_batch_tokens) this run has, else a one-line description of the
+    change ("world size 4 -> 2, parallel.ep 2 -> 1"). The torch engine resumes on another layout (its load
+    reshards: nagmoe.checkpoint.torch_layout); parallel.engine=deepspeed resumes on the layout it saved on
+    only, so there a change is a UserError, whatever --force says."""
+    old = saved_layout(path, run_dir)
+    new = {"world_size": world_size, "ep": cfg.parallel.ep, "micro_batch_tokens": cfg.train.micro_batch_tokens}
+    names = {"world_size": "world size", "ep": "parallel.ep", "micro_batch_tokens": "train.micro_batch_tokens"}
+    changes = [f"{names[k]} {old[k]} -> {new[k]}" for k in names if old[k] != new[k]]
+    if not changes:
+        return None
+    change = ", ".join(changes)
+    if cfg.parallel.engine == "deepspeed":
+        raise UserError(f"checkpoint {path}: parallel.engine=deepspeed resumes on the layout it was saved on only "
+                        f"({change}); resume with that layout (only parallel.engine=torch reshards a checkpoint)")
+    return change

@@ -12,6 +12,7 @@ import time
 from nagmoe.config import (RESUMABLE_KEYS, Config, config_from_dict, dump_yaml, missing_legacy_keys, set_key, to_dict,
                            yaml_load)
 from nagmoe.errors import UserError
+from nagmoe.schema import RESUMABLE_LAYOUT_KEYS
 
 CONFIG_FILE = "config.yaml"
 RUN_INFO_FILE = "run_info.json"
@@ -30,10 +31,11 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def config_differences(saved: Config, new: Config) -> list[str]:
-    """Keys (other than the schedule-length ones a resume may change) whose values differ."""
+    """Keys (other than the schedule-length and layout ones a resume may change) whose values differ."""
     a, b = _flatten(to_dict(saved)), _flatten(to_dict(new))
+    may_change = set(RESUMABLE_KEYS) | set(RESUMABLE_LAYOUT_KEYS)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and k not in RESUMABLE_KEYS]
+            if a.get(k) != b.get(k) and k not in may_change]
 
 
 def _saved_yaml(run_dir: str):
@@ -74,16 +76,17 @@ def resume_differences(run_dir: str, new: Config) -> list[str]:
 
 
 def prepare_run_dir(run_dir: str, cfg: Config, resuming: bool, force: bool = False) -> None:
-    """Refuse a resume whose config differs beyond the schedule-length keys (unless forced); write the
-    resolved config atomically."""
+    """Refuse a resume whose config differs beyond the schedule-length and layout keys (unless forced); write
+    the resolved config atomically."""
     os.makedirs(run_dir, exist_ok=True)
     saved = read_saved_config(run_dir)
     if resuming and saved is not None:
         diffs = config_differences(saved, cfg)
         if diffs and not force:
             raise UserError(f"{os.path.join(run_dir, CONFIG_FILE)}: resuming with a different config "
-                            f"({'; '.join(diffs)}); only "
-                            f"{', '.join(RESUMABLE_KEYS)} may change (pass --force to override)")
+                            f"({'; '.join(diffs)}); only {', '.join(RESUMABLE_KEYS)} and the layout "
+                            f"({', '.join(RESUMABLE_LAYOUT_KEYS)}, the world size) may change (pass --force to "
+                            "override)")
     tmp = os.path.join(run_dir, CONFIG_FILE + ".tmp")
     with open(tmp, "w") as f:
         f.write(dump_yaml(cfg))

@@ -2,12 +2,14 @@
 
     RUN_DIR/checkpoints/step_000123/
         .metadata, __0_0.distcp, ...   DCP files: {"model": model state, "optim": optimizer state}
-        state.json                     {"format": 1, "step", "rng": [per rank], "extra": extra_state}
+        state.json                     {"format": 1, "step", "rng": [per rank], "extra": extra_state,
+                                        "layout": {"world_size", "ep"} (the layout that saved it)}
         manifest.json                  written last (nagmoe.checkpoint.files, .publish)
 
 DCP runs without a process group in one process (`no_dist=True`, checked on torch 2.13); under an
 initialised group the save/load are collective, rank 0 writes the JSON files and the manifest, and every
-rank's RNG state is stored (restored by rank index). Model and optimizer state go through
+rank's RNG state is stored (restored by rank index; a rank the saving layout did not have gets generators
+seeded from (seed, step, rank): nagmoe.checkpoint.rng.restore_rank_rng). Model and optimizer state go through
 `torch.distributed.checkpoint.state_dict` (parameter-name keys, DDP/compile wrappers stripped), which
 accepts a plain nn.Module and a single optimizer, a list of them or any iterable of optimizers.
 
@@ -17,6 +19,12 @@ parameter and every optimizer-state tensor of its shape are then saved and loade
 stores each expert once with its global offset (replicas over data-parallel ranks deduplicated) and a
 load on another layout — another EP degree, or one process without any plan (`nagmoe consolidate`) —
 reads the right experts.
+
+Another layout on resume (issue 25): a checkpoint saved on W ranks with EP degree P loads on W' ranks with
+EP degree P' (any world size and micro-batch the config accepts). Replicated tensors (parameters, Muon
+momentum, AdamW moments and step counts) are read whole on every rank; an expert stack and each optimizer
+tensor of its shape are read as the new layout's slice [p'·E/P', (p'+1)·E/P') of the global expert axis,
+wherever the saving layout had put those experts (a plain tensor when P was 1, DTensor shards when not).
 """
 from __future__ import annotations
 
@@ -40,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from nagmoe.checkpoint.files import extra_with_step, hash_threads, read_checkpoint_state, verify_checkpoint
 from nagmoe.checkpoint.publish import already_saved, publish, save_paths
-from nagmoe.checkpoint.rng import capture_rng_state, restore_rng_state
+from nagmoe.checkpoint.rng import capture_rng_state, restore_rank_rng
 from nagmoe.checkpoint.safe_dcp import safe_dcp_load
 from nagmoe.errors import UserError
 
@@ -128,6 +136,18 @@ def _unwrap_sharded(state: Any) -> Any:
     return state
 
 
+def _ep_degree(shard_plan: Optional[dict]) -> int:
+    """The EP degree a shard plan describes: the size of the mesh dim its experts are sharded over (1 without
+    a plan: nothing is sharded)."""
+    from torch.distributed.tensor import Shard
+
+    for mesh, placements in (shard_plan or {}).values():
+        for dim, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                return int(mesh.size(dim))
+    return 1
+
+
 def _dcp(fn, state: dict, path: str) -> None:
     """dcp.save / dcp.load; single-process when no group is initialised (DCP then warns on every call
     that it assumes one process — which is exactly our intent, so that one warning is silenced). A save
@@ -180,19 +200,22 @@ def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizers=None,
     else:
         all_rng = [rng]
     if _rank() == 0:
-        publish(tmp, final, run_dir, {"format": FORMAT, "step": step, "rng": all_rng, "extra": extra_state},
-                keep, tag)
+        layout = {"world_size": len(all_rng), "ep": _ep_degree(shard_plan)}
+        publish(tmp, final, run_dir, {"format": FORMAT, "step": step, "rng": all_rng, "extra": extra_state,
+                                      "layout": layout}, keep, tag)
     _barrier()
     return final
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizers=None, restore_rng: bool = True,
-                    shard_plan: Optional[dict] = None, verified: bool = False) -> dict:
+                    shard_plan: Optional[dict] = None, verified: bool = False, rng_seed: int = 0) -> dict:
     """Verify the manifest, then load model (and optimizer) state in place; return the extra state.
 
     The returned dict is the `extra_state` given to `save_checkpoint` with `"step"` set. A bad checksum,
     missing or truncated file raises UserError naming the file, before anything is loaded (`verified`: the
-    caller has just verified it).
+    caller has just verified it). The checkpoint may come from another layout (module docstring):
+    `shard_plan` is this run's. `rng_seed` (train.seed) seeds the generators of a rank the saving layout
+    did not have.
     """
     error = None
     if _rank() == 0 and not verified:
@@ -216,6 +239,5 @@ def load_checkpoint(path: str, model: nn.Module, optimizers=None, restore_rng: b
     if opts:
         set_optimizer_state_dict(model, opts, tensors["optim"])
     if restore_rng:
-        rngs = state["rng"]
-        restore_rng_state(rngs[_rank()] if _rank() < len(rngs) else rngs[0])
+        restore_rank_rng(state["rng"], _rank(), rng_seed, state["step"])
     return extra_with_step(state)

@@ -1,5 +1,6 @@
 """`nagmoe train --config PATH [--run-dir DIR] [key.sub=value ...]`: train, resuming from the latest valid
-checkpoint in the run dir; only the schedule-length keys may differ on resume unless --force.
+checkpoint in the run dir; only the schedule-length keys and the layout (parallel.ep, train.micro_batch_tokens,
+the world size) may differ on resume unless --force.
 
 Distributed: under torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or one srun task per rank (SLURM_*), e.g.
 `torchrun --standalone --nproc_per_node=2 -m nagmoe train --config configs/tiny.yaml parallel.ep=2`.

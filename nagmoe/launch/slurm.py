@@ -184,7 +184,7 @@ def render_prepare_scripts(opts: SlurmOptions, launch_dir: str, num_slices: int,
 # ----------------------------------------------------------------------------------------------------------
 def check_resume_config(run_dir: str, config_yaml: str, force: bool) -> None:
     """Refuse at submission what the trainer would refuse at start: resuming a run dir that has checkpoints
-    with a config that differs beyond the schedule-length keys."""
+    with a config that differs beyond the schedule-length and layout keys."""
     from nagmoe.config import config_from_dict, yaml_load
     from nagmoe.checkpoint.run_dir import read_saved_config, resume_differences
 

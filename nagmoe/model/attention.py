@@ -32,6 +32,7 @@ from torch import nn
 
 from nagmoe.errors import UserError
 from nagmoe.model.common import init_linear_uniform, rms_norm
+from nagmoe.model.init_rng import ParamInit
 from nagmoe.ops.registry import Registry
 
 def _flash_available() -> bool:
@@ -258,9 +259,12 @@ class MultiHeadAttention(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for lin in (self.c_q, self.c_k, self.c_v):
-            init_linear_uniform(lin, self.init_std)
-        nn.init.zeros_(self.c_proj.weight)
+        self.init_weights(ParamInit())
+
+    def init_weights(self, init: ParamInit) -> None:
+        for lin in ("c_q", "c_k", "c_v"):
+            init_linear_uniform(self, lin, self.init_std, init)
+        init.zeros_(self, "c_proj.weight")
 
     def forward(self, x_BTD: torch.Tensor, cache: Optional[AttentionCache] = None, select=None):
         """`(y_BTD, None)`; with `select` (MoD) `(y_ND, None)` for the executed tokens only (module docstring)."""

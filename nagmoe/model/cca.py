@@ -48,6 +48,7 @@ from nagmoe.flops import attention_heads
 from nagmoe.model.attention import (AttentionCache, apply_rope, attention_at_positions, causal_attention,
                                     executed_queries, resolve_attention_impl, rope_tables, rotary_dims)
 from nagmoe.model.common import init_linear_uniform, rms_norm
+from nagmoe.model.init_rng import ParamInit
 from nagmoe.model.roles import SCALAR
 
 
@@ -100,13 +101,16 @@ class CCAttention(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for lin in (self.c_q, self.c_k, self.c_v):
-            init_linear_uniform(lin, self.init_std)
-        nn.init.zeros_(self.c_proj.weight)
+        self.init_weights(ParamInit())
+
+    def init_weights(self, init: ParamInit) -> None:
+        for lin in ("c_q", "c_k", "c_v"):
+            init_linear_uniform(self, lin, self.init_std, init)
+        init.zeros_(self, "c_proj.weight")
         if self.use_convs:  # PyTorch's default conv init (kaiming-uniform weights and biases)
-            self.conv_seq.reset_parameters()
-            self.conv_head.reset_parameters()
-        nn.init.zeros_(self.log_temperature)
+            init.conv_default_(self, "conv_seq")
+            init.conv_default_(self, "conv_head")
+        init.zeros_(self, "log_temperature")
 
     # ------------------------------------------------------------------------------------------------------
     def _convs(self, qk_BTC: torch.Tensor, cache: Optional[AttentionCache]) -> torch.Tensor:

@@ -13,7 +13,7 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],))
 
 
-def init_linear_uniform(linear: nn.Linear, std: float) -> None:
-    """Uniform init with the given std (bound sqrt(3)·std), as nanochat does for input projections."""
-    bound = math.sqrt(3.0) * std
-    nn.init.uniform_(linear.weight, -bound, bound)
+def init_linear_uniform(module: nn.Module, linear: str, std: float, init) -> None:
+    """Uniform init of `module.<linear>.weight` with the given std (bound sqrt(3)·std), as nanochat does for
+    input projections; `init` a nagmoe.model.init_rng.ParamInit."""
+    init.uniform_(module, f"{linear}.weight", math.sqrt(3.0) * std)

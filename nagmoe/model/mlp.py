@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nagmoe.model.common import init_linear_uniform
+from nagmoe.model.init_rng import ParamInit
 
 
 class DenseMLP(nn.Module):
@@ -25,8 +26,11 @@ class DenseMLP(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        init_linear_uniform(self.c_fc, self.init_std)
-        nn.init.zeros_(self.c_proj.weight)
+        self.init_weights(ParamInit())
+
+    def init_weights(self, init: ParamInit) -> None:
+        init_linear_uniform(self, "c_fc", self.init_std, init)
+        init.zeros_(self, "c_proj.weight")
 
     def forward(self, x_BTD: torch.Tensor):
         h_BTF = F.relu(self.c_fc(x_BTD)).square()

@@ -121,25 +121,43 @@ class MoDCalibrator(nn.Module):
         self.mode, self.p_thres = mode, p_thres
         self.max_sublayer_skip = max_sublayer_skip
         self.eligible_list = [bool(e) for e in eligible]  # python copy: no device sync per forward
+        self.work_weight_list: list[float] = []  # python copy of the work weights (set_work_weights)
         n, f64 = n_sublayers, torch.float64
-        self.register_buffer("eligible", torch.tensor(self.eligible_list, dtype=torch.bool), persistent=False)
-        cap = 1.0 if max_sublayer_skip is None else float(max_sublayer_skip)
-        self.register_buffer("cap", torch.full((n,), cap, dtype=f64), persistent=False)
-        self.register_buffer("work_weight", torch.ones(n, dtype=f64), persistent=False)
-        self.set_work_weights(work_weights)
-        self.register_buffer("threshold", torch.full((n,), EXECUTE_ALL, dtype=torch.float32))
-        self.register_buffer("histogram", torch.zeros(n, self.bins, dtype=f64))
-        self.register_buffer("correction", torch.zeros(n, dtype=f64))
-        self.register_buffer("skipping", torch.zeros(n, dtype=torch.bool))
-        self.register_buffer("tokens_seen", torch.zeros((), dtype=f64))
-        self.register_buffer("executed_total", torch.zeros(n, dtype=f64))
-        self.register_buffer("tokens_total", torch.zeros((), dtype=f64))
+        self.register_buffer("eligible", torch.empty(n, dtype=torch.bool), persistent=False)
+        self.register_buffer("cap", torch.empty(n, dtype=f64), persistent=False)
+        self.register_buffer("work_weight", torch.empty(n, dtype=f64), persistent=False)
+        self.register_buffer("threshold", torch.empty(n, dtype=torch.float32))
+        self.register_buffer("histogram", torch.empty(n, self.bins, dtype=f64))
+        self.register_buffer("correction", torch.empty(n, dtype=f64))
+        self.register_buffer("skipping", torch.empty(n, dtype=torch.bool))
+        self.register_buffer("tokens_seen", torch.empty((), dtype=f64))
+        self.register_buffer("executed_total", torch.empty(n, dtype=f64))
+        self.register_buffer("tokens_total", torch.empty((), dtype=f64))
         # this step's counts (training forwards), folded in by update(); padded = attention's B·M query rows
         for name in ("pending_executed", "pending_tokens", "pending_padded", "inference_executed",
                      "inference_tokens"):
-            self.register_buffer(name, torch.zeros(n, dtype=f64), persistent=False)
-        self.register_buffer("pending_hist", torch.zeros(n, self.bins, dtype=f64), persistent=False)
+            self.register_buffer(name, torch.empty(n, dtype=f64), persistent=False)
+        self.register_buffer("pending_hist", torch.empty(n, self.bins, dtype=f64), persistent=False)
+        self.reset_buffers()
+        self.set_work_weights(work_weights)
         self.last_step: Optional[dict] = None  # the step update() just folded in (see there)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """A fresh calibrator's buffer values: eligibility and ceilings from the constructor, the last work
+        weights set, no threshold (EXECUTE_ALL), empty histograms and counters. Also recomputes them after
+        meta-device construction (nagmoe/model/init_rng.py)."""
+        if self.eligible.is_meta:
+            return
+        self.eligible.copy_(torch.tensor(self.eligible_list, dtype=torch.bool))
+        self.cap.fill_(1.0 if self.max_sublayer_skip is None else float(self.max_sublayer_skip))
+        if self.work_weight_list:
+            self.work_weight.copy_(torch.tensor(self.work_weight_list, dtype=torch.float64))
+        self.threshold.fill_(EXECUTE_ALL)
+        for buf in (self.histogram, self.correction, self.skipping, self.tokens_seen, self.executed_total,
+                    self.tokens_total, self.pending_executed, self.pending_tokens, self.pending_padded,
+                    self.inference_executed, self.inference_tokens, self.pending_hist):
+            buf.zero_()
 
     def extra_repr(self) -> str:
         return (f"mode={self.mode}, skip_rate={self.skip_rate}, eligible={sum(self.eligible_list)}/"
@@ -153,8 +171,9 @@ class MoDCalibrator(nn.Module):
         w = [1.0] * self.n_sublayers if weights is None else [float(x) for x in weights]
         if len(w) != self.n_sublayers or min(w) < 0:
             raise ValueError(f"MoDCalibrator: work weights must be {self.n_sublayers} values >= 0, got {weights}")
-        self.work_weight.copy_(torch.tensor([wi if e else 0.0 for wi, e in zip(w, self.eligible_list)],
-                                            dtype=torch.float64, device=self.work_weight.device))
+        self.work_weight_list = [wi if e else 0.0 for wi, e in zip(w, self.eligible_list)]
+        if not self.work_weight.is_meta:
+            self.work_weight.copy_(torch.tensor(self.work_weight_list, dtype=torch.float64))
 
     # ------------------------------------------------------------------------------------------------------
     def select(self, index: int, score_BT: torch.Tensor):

@@ -34,6 +34,7 @@ from torch import nn
 
 from nagmoe.config import MoEConfig
 from nagmoe.errors import UserError
+from nagmoe.model.init_rng import ParamInit
 from nagmoe.model.roles import MATRIX, ROUTER
 from nagmoe.ops.grouped_experts import EXPERT_FORWARD, resolve_expert_backend
 
@@ -76,7 +77,8 @@ class MoELayer(nn.Module):
 
     Parameters: `router.weight (E, D)` (role router), `w_in (E, D, H)` and `w_out (E, H, D)` (role matrix;
     `w_out` zero-initialised, so a fresh layer outputs 0 like the dense MLP). H = cfg.expert_hidden, or
-    4·D / top_k (the active width of the dense MLP) when unset.
+    4·D / top_k (the active width of the dense MLP) when unset. Under expert parallelism the stacks hold only
+    experts [first_expert, first_expert + L) (`keep_experts`).
 
     Auxiliary losses and micro-batches (docs/architecture.md): per forward call — one micro-batch on one
     rank — with N = B·T tokens, `aux_loss = lb_loss_weight · LB + z_loss_weight · Z` where
@@ -111,6 +113,7 @@ class MoELayer(nn.Module):
         self.router = Router(d_model, cfg.n_experts)
         self.w_in = nn.Parameter(torch.empty(cfg.n_experts, d_model, hidden))
         self.w_out = nn.Parameter(torch.empty(cfg.n_experts, hidden, d_model))
+        self.first_expert = 0  # global index of w_in[0] / w_out[0] (keep_experts)
         self.gate_scale_output = gate_scale_output
         self.capacity_factor = getattr(cfg, "capacity_factor", None)
         self.last_stats: dict[str, torch.Tensor] = {}
@@ -121,15 +124,36 @@ class MoELayer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # Uniform with std init_std (bound sqrt(3)·std), like a linear layer reading a unit-RMS input.
+        self.init_weights(ParamInit())
+
+    def init_weights(self, init: ParamInit) -> None:
+        """Router and w_in uniform with std init_std (bound sqrt(3)·std), like a linear layer reading a unit-RMS
+        input; w_out zero. Seeded (nagmoe/model/init_rng.py): one generator per global expert of w_in."""
         bound = 3 ** 0.5 * self.init_std
-        nn.init.uniform_(self.router.weight, -bound, bound)
-        nn.init.uniform_(self.w_in, -bound, bound)
-        nn.init.zeros_(self.w_out)
+        init.uniform_(self, "router.weight", bound)
+        init.uniform_(self, "w_in", bound, first_expert=self.first_expert)
+        init.zeros_(self, "w_out")
+
+    def keep_experts(self, first: int, count: int) -> None:
+        """Hold only experts [first, first + count) of the stacks (expert parallelism: the dispatcher runs the
+        rest elsewhere; nagmoe.parallel.shard_experts). On a meta-device model nothing is allocated; a
+        materialised one keeps a copy of its slice. The router still scores all n_experts."""
+        if self.first_expert != 0 or self.w_in.shape[0] != self.n_experts:
+            raise RuntimeError(f"keep_experts: the layer already holds only experts [{self.first_expert}, "
+                               f"{self.first_expert + self.w_in.shape[0]})")
+        if first < 0 or count < 1 or first + count > self.n_experts:
+            raise ValueError(f"keep_experts: experts [{first}, {first + count}) of {self.n_experts}")
+        for name in ("w_in", "w_out"):
+            full = getattr(self, name)
+            setattr(self, name, nn.Parameter(full.detach()[first:first + count].clone(),
+                                             requires_grad=full.requires_grad))
+        self.first_expert = first
 
     def extra_repr(self) -> str:
+        local = "" if self.w_in.shape[0] == self.n_experts else \
+            f", local_experts=[{self.first_expert}, {self.first_expert + self.w_in.shape[0]})"
         return (f"d_model={self.d_model}, n_experts={self.n_experts}, top_k={self.top_k}, hidden={self.hidden}, "
-                f"backend={self.backend}")
+                f"backend={self.backend}{local}")
 
     def capacity(self, n_tokens: int) -> Optional[int]:
         """Routing slots each expert may take from a micro-batch of `n_tokens` (None = dropless)."""

@@ -30,6 +30,7 @@ from torch import nn
 
 from nagmoe.model.roles import GATE, SCALAR
 from nagmoe.model.common import rms_norm
+from nagmoe.model.init_rng import ParamInit
 from nagmoe.flops import skippable_flops_per_sublayer
 from nagmoe.model.mod import eligible_sublayers
 from nagmoe.model.mod_calibration import MoDCalibrator
@@ -149,16 +150,18 @@ class NAGGate(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=self.d_model ** -0.5)
-        nn.init.zeros_(self.bias)
-        nn.init.zeros_(self.coef)
-        with torch.no_grad():
-            self.beta_raw.fill_(math.log(math.expm1(self.beta_init)))  # softplus^-1(beta_init)
-            self.alpha.fill_(self.sublayer_number ** -0.5)
+        self.init_weights(ParamInit())
+
+    def init_weights(self, init: ParamInit) -> None:
+        init.normal_(self, "weight", self.d_model ** -0.5)
+        init.zeros_(self, "bias")
+        init.zeros_(self, "coef")
+        init.fill_(self, "beta_raw", math.log(math.expm1(self.beta_init)))  # softplus^-1(beta_init)
+        init.fill_(self, "alpha", self.sublayer_number ** -0.5)
         if self.base is not None and self.base_init_std > 0:
-            nn.init.normal_(self.base, std=self.base_init_std)
+            init.normal_(self, "base", self.base_init_std)
         elif self.base is not None:
-            nn.init.zeros_(self.base)
+            init.zeros_(self, "base")
 
     def modulator(self, direction_BTD: torch.Tensor) -> torch.Tensor:
         return modulator(direction_BTD, self.weight, self.bias, self.coef, self.beta_raw, self.floor)
@@ -207,6 +210,14 @@ class NAGResidual(ResidualStream):
                                      p_thres=getattr(mod, "p_thres", None))
         # Injection warm-up factor in [0, 1], set by the trainer each step; not saved (the trainer re-sets it).
         self.register_buffer("injection_warmup", torch.ones((), dtype=torch.float32), persistent=False)
+
+    def init_weights(self, init: ParamInit) -> None:
+        """The stream's own parameter (the gates initialise themselves): g_encode = 0."""
+        init.zeros_(self, "g_encode")
+
+    def reset_buffers(self) -> None:
+        """A fresh stream's buffer values (after meta-device construction, nagmoe/model/init_rng.py)."""
+        self.injection_warmup.fill_(1.0)
 
     def head_init_std(self) -> float:
         return self.init_std  # rows are renormalised in the forward; only their direction matters

@@ -20,7 +20,9 @@ and returns the realised executed fraction per sublayer; `set_mod_skip_rate(rate
 
 Init (nanochat-like): embedding N(0, 1); input projections uniform with std `model.init_std` (default
 d^-0.5); output projections (c_proj, expert w_out) zero; unembedding std from the residual stream (0.001
-for pre-norm; d^-0.5 for NAG, whose rows are renormalised in the forward anyway).
+for pre-norm; d^-0.5 for NAG, whose rows are renormalised in the forward anyway). `build_model` constructs
+on the meta device and draws each parameter (each expert) from its own generator seeded by (seed, name,
+global expert), so every expert-parallel layout and device gets the same weights (nagmoe/model/init_rng.py).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from torch import nn
 
 from nagmoe.errors import UserError
 from nagmoe.model.attention import AttentionCache, build_attention
+from nagmoe.model.init_rng import ParamInit, init_model
 from nagmoe.model.mlp import DenseMLP
 from nagmoe.model.mod import run_on_executed
 from nagmoe.model.residual import build_residual_stream
@@ -94,7 +97,10 @@ class Transformer(nn.Module):
     def __init__(self, model_cfg):
         super().__init__()
         self.config = model_cfg
-        self.wte = nn.Embedding(model_cfg.vocab_size, model_cfg.d_model)
+        # _weight: skip nn.Embedding's own N(0, 1) draw (reset_parameters below makes it); on the meta device that
+        # draw alone would import torch._dynamo (seconds) in every process that builds a model
+        self.wte = nn.Embedding(model_cfg.vocab_size, model_cfg.d_model,
+                                _weight=torch.empty(model_cfg.vocab_size, model_cfg.d_model))
         self.blocks = nn.ModuleList(Block(model_cfg) for _ in range(model_cfg.n_layers))
         self.lm_head = Unembedding(model_cfg.d_model, model_cfg.vocab_size, bias=False)
         self.stream = build_residual_stream(model_cfg, 2 * model_cfg.n_layers)
@@ -104,8 +110,11 @@ class Transformer(nn.Module):
 
     def reset_parameters(self) -> None:
         """Initialise the tables; sublayers and gates initialise themselves on construction."""
-        nn.init.normal_(self.wte.weight, std=1.0)
-        nn.init.normal_(self.lm_head.weight, std=self.stream.head_init_std())
+        self.init_weights(ParamInit())
+
+    def init_weights(self, init: ParamInit) -> None:
+        init.normal_(self, "wte.weight", 1.0)
+        init.normal_(self, "lm_head.weight", self.stream.head_init_std())
 
     def sublayers(self):
         """The sublayers in stream order: block 0 attention, block 0 FFN, block 1 attention, ..."""
@@ -193,6 +202,16 @@ class Transformer(nn.Module):
         return ModelOutput(logits_BTV, loss, aux_loss, stats.as_dict() if stats is not None else None)
 
 
-def build_model(model_cfg) -> Transformer:
-    """The model for `config.model` (already validated by nagmoe.config)."""
-    return Transformer(model_cfg)
+def build_model(model_cfg, seed: Optional[int] = None, device=None) -> Transformer:
+    """The model for `config.model` (already validated by nagmoe.config), every parameter drawn from its
+    (seed, name, expert) generator (nagmoe/model/init_rng.py). `seed` defaults to `torch.initial_seed()`, the
+    seed of the last `torch.manual_seed`, so `torch.manual_seed(s); build_model(m)` is the model a run with
+    `train.seed=s` starts from. `device` defaults to torch's default device; on the meta device (`with
+    torch.device("meta"): build_model(m)`) only the structure is built, for `shard_experts` + `init_model`
+    to materialise what one rank holds."""
+    device = torch.get_default_device() if device is None else torch.device(device)
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    if device.type == "meta":
+        return model
+    return init_model(model, torch.initial_seed() if seed is None else seed, device)

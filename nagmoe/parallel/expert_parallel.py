@@ -16,8 +16,11 @@ P = EP group size, L = E/P local experts, R = slots received by this rank (from 
 A rank that receives no slot still joins both all-to-alls (forward and backward): its empty expert output
 is tied to the received tensor by autograd (`x_RD * 0`), so the backward all-to-all runs on every rank.
 
-Experts are sharded by `shard_experts(model, mesh)` after the full model is built (same seed on every rank,
-so rank p's slice is exactly experts [p·L, (p+1)·L) of the single-process initialisation).
+Experts are sharded by `shard_experts(model, mesh)`, normally on the meta-device structure before anything is
+allocated: the trainer builds under `torch.device("meta")`, shards, then `nagmoe.model.init_rng.init_model`
+materialises this rank's parameters only, each expert drawn from its (seed, name, global expert) generator,
+so rank p's slice is exactly experts [p·L, (p+1)·L) of the single-process initialisation. A materialised
+model (tests, tools) is sliced instead.
 """
 from __future__ import annotations
 
@@ -86,21 +89,19 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
 
 
 def shard_experts(model: nn.Module, mesh: ParallelMesh) -> list[str]:
-    """Keep this EP rank's slice of every expert stack, install the all-to-all dispatcher, and return the
-    names of the sharded (expert) parameters. A no-op returning [] when `mesh.ep == 1`."""
+    """Keep this EP rank's slice of every expert stack (`MoELayer.keep_experts`: on a meta-device model
+    nothing is allocated), install the all-to-all dispatcher, and return the names of the sharded (expert)
+    parameters. A no-op returning [] when `mesh.ep == 1`."""
     if mesh.ep == 1:
         return []
     names = []
     for mod_name, layer in moe_layers(model):
         if layer.dispatcher is not None:
             raise RuntimeError(f"{mod_name}: experts are already sharded")
-        L = layer.n_experts // mesh.ep
-        lo = mesh.ep_rank * L
-        for p_name in EXPERT_PARAMS:
-            full = getattr(layer, p_name)
-            setattr(layer, p_name, nn.Parameter(full.detach()[lo:lo + L].clone(), requires_grad=full.requires_grad))
-            names.append(f"{mod_name}.{p_name}" if mod_name else p_name)
-        layer.dispatcher = AllToAllDispatcher(mesh.ep_group, mesh.ep, mesh.ep_rank, layer.n_experts)
+        dispatcher = AllToAllDispatcher(mesh.ep_group, mesh.ep, mesh.ep_rank, layer.n_experts)  # checks E % P
+        layer.keep_experts(mesh.ep_rank * dispatcher.n_local, dispatcher.n_local)
+        names.extend(f"{mod_name}.{p_name}" if mod_name else p_name for p_name in EXPERT_PARAMS)
+        layer.dispatcher = dispatcher
     return names
 
 

@@ -20,6 +20,11 @@ so a 3-D expert stack (E, a, b) is E independent matrices)
     update <- (1 - mu) * g + mu * buf                  (Nesterov look-ahead; plain: update = buf)
     O      <- NS5(update) ~= U V^T of update = U S V^T (quintic Newton-Schulz, 5 steps)
     W      <- W * (1 - lr * wd) - lr * sqrt(max(1, rows / cols)) * O
+
+Distributed Muon (`replication=`, nagmoe.parallel.distributed_muon): the ranks that replicate a matrix split
+its Newton-Schulz work (whole world for replicated parameters, the dp group for expert shards) and exchange
+the results, so every rank applies the same update; momentum stays replicated (checkpoints unchanged). The
+trainer passes `muon_replication(mesh, expert_names)`; without it (one process) the step is exactly the above.
 """
 from __future__ import annotations
 
@@ -28,12 +33,10 @@ from typing import Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+# the Newton-Schulz kernel lives in nagmoe/ops/newton_schulz.py (distributed Muon in nagmoe.parallel uses it too)
+from nagmoe.ops.newton_schulz import NS_COEFFS, NS_STEPS, muon_shape_scale, orthogonalise  # noqa: F401 (re-exported)
 from nagmoe.model.roles import CONV, EMBEDDING, GATE, MATRIX, ROLES, ROUTER, SCALAR, UNEMBEDDING, param_roles
 
-# Quintic Newton-Schulz coefficients (a, b, c) for X <- a X + b (X X^T) X + c (X X^T)^2 X. They trade exact
-# convergence for speed: after 5 steps every singular value lands in roughly [0.7, 1.2] instead of 1.
-NS_COEFFS = (3.4445, -4.7750, 2.0315)
-NS_STEPS = 5
 ADAMW_BETAS = (0.8, 0.95)
 ADAMW_EPS = 1e-10
 
@@ -49,49 +52,18 @@ ROLE_LR_FIELD = {
 ADAMW_ROLES = (EMBEDDING, UNEMBEDDING, SCALAR, CONV, ROUTER, GATE)
 
 
-def orthogonalise(g: torch.Tensor, steps: int = NS_STEPS, dtype: Optional[torch.dtype] = None,
-                  eps: float = 1e-7) -> torch.Tensor:
-    """Approximate U V^T of each matrix in `g` (..., rows, cols) by quintic Newton-Schulz iteration.
-
-    Works on the last two dims, leading dims are a batch (each expert of a stack separately). Runs in bf16
-    on CUDA and fp32 elsewhere unless `dtype` is given; returns `g.dtype`.
-    Normalising by the Frobenius norm first puts every singular value in [0, 1], where the iteration
-    p(s) = a s + b s^3 + c s^5 pushes them towards ~1. Iterating on the wide orientation keeps X X^T small.
-    """
-    if g.ndim < 2:
-        raise ValueError(f"orthogonalise needs at least 2 dims, got shape {tuple(g.shape)}")
-    if dtype is None:
-        dtype = torch.bfloat16 if g.is_cuda else torch.float32
-    x = g.float()
-    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
-    x = x.to(dtype)
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
-    a, b, c = NS_COEFFS
-    for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
-    if tall:
-        x = x.mT
-    return x.to(g.dtype)
-
-
-def muon_shape_scale(shape: torch.Size) -> float:
-    """sqrt(max(1, rows / cols)) over the last two dims: an orthogonal update of a tall matrix has a smaller
-    RMS, this restores it (rows = fan-out for nn.Linear's (out, in) layout)."""
-    return max(1.0, shape[-2] / shape[-1]) ** 0.5
-
-
 class Muon(torch.optim.Optimizer):
     """MomentUm Orthogonalised by Newton-Schulz, for 2-D matrices and batched (3-D) expert stacks.
 
     Every parameter must have >= 2 dims; which parameters get Muon is decided by role, by the caller.
     `ns_dtype=None` picks bf16 on CUDA and fp32 on CPU.
+    `replication` (a `nagmoe.parallel.distributed_muon.Replication`: which ranks hold each parameter, by name;
+    every group then needs `param_names`) splits the orthogonalisation over those ranks; None: one process.
     """
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
-                 weight_decay: float = 0.0, ns_steps: int = NS_STEPS, ns_dtype: Optional[torch.dtype] = None):
+                 weight_decay: float = 0.0, ns_steps: int = NS_STEPS, ns_dtype: Optional[torch.dtype] = None,
+                 replication=None):
         if lr < 0 or not 0.0 <= momentum < 1.0 or weight_decay < 0 or ns_steps < 1:
             raise ValueError(f"Muon: bad hyper-parameters lr={lr} momentum={momentum} "
                              f"weight_decay={weight_decay} ns_steps={ns_steps}")
@@ -103,6 +75,16 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.ndim < 2:
                     raise ValueError(f"Muon got a parameter of shape {tuple(p.shape)}; it needs matrices")
+        self.replication = replication
+        self.sharded = None  # the distributed step (nagmoe.parallel.distributed_muon), when replicated
+        if replication is not None:
+            from nagmoe.parallel.distributed_muon import ShardedOrthogonaliser
+
+            for group in self.param_groups:
+                names = group.get("param_names")
+                if names is None or len(names) != len(group["params"]):
+                    raise ValueError("Muon with a replication needs `param_names` in every parameter group")
+            self.sharded = ShardedOrthogonaliser(replication, ns_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -110,6 +92,9 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.sharded is not None:
+            self._step_sharded()
+            return loss
         for group in self.param_groups:
             lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
             for p in group["params"]:
@@ -127,6 +112,24 @@ class Muon(torch.optim.Optimizer):
                     p.mul_(1.0 - lr * wd)
                 p.add_(ortho, alpha=-lr * muon_shape_scale(p.shape))
         return loss
+
+    def _step_sharded(self) -> None:
+        """Momentum for every matrix here (replicated state), then the shared orthogonalise-and-apply."""
+        from nagmoe.parallel.distributed_muon import MuonWork
+
+        work = []
+        for group in self.param_groups:
+            for p, name in zip(group["params"], group["param_names"]):
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1.0 - group["momentum"])
+                work.append(MuonWork(p, name, p.grad, buf, group["lr"], group["momentum"], group["nesterov"],
+                                     group["weight_decay"], group["ns_steps"]))
+        self.sharded.step(work)
 
 
 class OptimizerBundle:
@@ -199,11 +202,14 @@ def _named_trainable_params(model: nn.Module) -> Iterable[tuple[str, nn.Paramete
     return ((n, p) for n, p in model.named_parameters() if p.requires_grad)
 
 
-def build_optimizers(model: nn.Module, train_cfg, ns_dtype: Optional[torch.dtype] = None) -> OptimizerBundle:
+def build_optimizers(model: nn.Module, train_cfg, ns_dtype: Optional[torch.dtype] = None,
+                     replication=None) -> OptimizerBundle:
     """Muon for role `matrix`, AdamW (one group per role) for the others; see the module docstring.
 
     `train_cfg` is a `TrainConfig` (or anything with its lr_*/muon_momentum/weight_decay fields).
     Pass the bare model (not a DDP wrapper), so parameter names match checkpoints and role tables.
+    `replication`: who holds which parameter under data/expert parallelism, for distributed Muon
+    (`nagmoe.parallel.distributed_muon.muon_replication(mesh, expert_names)`); None for one process.
     """
     roles = param_roles(model)
     by_role: dict[str, list[tuple[str, nn.Parameter]]] = {r: [] for r in ROLES}
@@ -221,7 +227,8 @@ def build_optimizers(model: nn.Module, train_cfg, ns_dtype: Optional[torch.dtype
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if by_role[MATRIX]:
         optimizers["muon"] = Muon([group(MATRIX)], momentum=train_cfg.muon_momentum,
-                                  weight_decay=train_cfg.weight_decay, ns_dtype=ns_dtype)
+                                  weight_decay=train_cfg.weight_decay, ns_dtype=ns_dtype,
+                                  replication=replication)
     adam_groups = [group(r) for r in ADAMW_ROLES if by_role[r]]
     if adam_groups:
         optimizers["adamw"] = torch.optim.AdamW(adam_groups, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=0.0)

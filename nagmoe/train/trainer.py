@@ -127,16 +127,29 @@ class Trainer:
                 # every rank: the keys the run dir's config predates keep their legacy values
                 for key, value in adopt_legacy_values(run_dir, cfg).items():
                     self._log(f"{key}={value!r}: the run dir's config predates this key (its legacy value)")
+                # another layout (world size, parallel.ep, train.micro_batch_tokens) resumes on the torch engine,
+                # which reshards on load; DeepSpeed refuses it here, before the run dir is written
+                from nagmoe.checkpoint import check_resume_layout
+
+                change = mesh.on_rank0(lambda: check_resume_layout(latest, run_dir, cfg, world_size))
+                if change is not None:
+                    self._log(f"resuming {latest} on another layout: {change}")
             mesh.on_rank0(lambda: prepare_run_dir(run_dir, cfg, resuming=latest is not None, force=force))
 
             torch.manual_seed(t.seed)
-            self.model = build_model(m).to(self.device)  # the full model on every rank (same seed, same init) ...
+            from nagmoe.model.init_rng import init_model
+
+            with torch.device("meta"):  # the structure only: no rank allocates the whole model (issue 25) ...
+                self.model = build_model(m)
+            self.expert_names = shard_experts(self.model, mesh)  # ... each EP rank keeps its experts (still meta)
+            # ... and draws only what it holds, each parameter (expert) from its (train.seed, name, global expert)
+            # generator: every EP layout and device starts from the same weights (nagmoe/model/init_rng.py)
+            init_model(self.model, t.seed, self.device)
             self.model.set_mod_seq_len(cfg.data.seq_len)  # MoD's work weights: what the budget charges
             if getattr(t, "activation_checkpointing", False):  # nagmoe/train/speed.py
                 enable_activation_checkpointing(self.model)
             if t.compile:
                 compile_model(self.model)
-            self.expert_names = shard_experts(self.model, mesh)  # ... then each EP rank keeps its experts
             self.expert_params = named_params(self.model, self.expert_names)
             self.shard_plan = expert_shard_plan(mesh, self.expert_names)
             # parallel.engine=deepspeed: ZeRO for the replicated parameters, our EP and AdamW for the experts
@@ -148,8 +161,10 @@ class Trainer:
                 from nagmoe.train.deepspeed_engine import build_adamw_optimizers
 
                 self.optim = build_adamw_optimizers(self.model, t)
-            else:
-                self.optim = build_optimizers(self.model, t)
+            else:  # distributed Muon: the ranks replicating a matrix split its Newton-Schulz work
+                from nagmoe.parallel.distributed_muon import muon_replication
+
+                self.optim = build_optimizers(self.model, t, replication=muon_replication(mesh, self.expert_names))
             verify = cfg.data.verify_shards
             # the epoch's skipped tail is per optimizer step, so every rank/micro-batch split sees the same tokens
             self.loader = TokenLoader(cfg.data.data_dir, "train", seq, self.micro_rows, t.seed, rank, world_size,
@@ -161,7 +176,7 @@ class Trainer:
                 started = time.perf_counter()  # `latest` was verified by resume_checkpoint: one hash pass per load
                 state = (self.engine.load_checkpoint(latest, verified=True) if self.engine is not None
                          else load_checkpoint(latest, self.model, self.optim, shard_plan=self.shard_plan,
-                                              verified=True))
+                                              verified=True, rng_seed=t.seed))
                 self._log(f"loaded {latest} in {time.perf_counter() - started:.1f} s")
                 self.progress = Progress(**state["progress"])
                 self.loader.load_state_dict(state["loader"])

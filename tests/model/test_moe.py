@@ -282,7 +282,8 @@ def test_last_stats_are_detached_per_call_metrics():
     x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(18))
     _, aux = layer(x)
     s = layer.last_stats
-    assert set(s) == {"lb_loss", "z_loss", "tokens_per_expert", "router_entropy_sum", "router_tokens"}
+    assert set(s) == {"lb_loss", "z_loss", "tokens_per_expert", "router_entropy_sum", "router_tokens",
+                      "dropped_slots"}
     assert s["tokens_per_expert"].dtype == torch.long and s["tokens_per_expert"].shape == (4,)
     assert int(s["tokens_per_expert"].sum()) == 3 * 7 * 2 and int(s["router_tokens"]) == 3 * 7
     assert 0 < float(s["router_entropy_sum"]) <= 3 * 7 * torch.log(torch.tensor(4.0))

@@ -41,7 +41,8 @@ def test_a_run_logs_router_health_per_layer(micro_config, tmp_path):
     n_layers, n_experts = cfg.model.n_layers, cfg.model.moe.n_experts
     for r in logged:
         router = r["router"]
-        assert set(router) == {"entropy", "max_over_mean", "cv", "dead"}
+        assert set(router) == {"entropy", "max_over_mean", "cv", "dead", "dropped_frac"}
+        assert router["dropped_frac"] == [0.0] * len(router["dead"])  # dropless by default
         assert all(len(v) == n_layers for v in router.values())
         assert all(0 < e <= math.log(n_experts) + 1e-6 for e in router["entropy"])
         assert all(0 <= d <= n_experts for d in router["dead"])

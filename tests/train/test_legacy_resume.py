@@ -52,4 +52,6 @@ def test_an_old_run_dir_resumes_with_the_legacy_behaviour_bit_identically(micro_
 
     new = str(tmp_path / "new")
     Trainer(micro_config(*OVERRIDES, "train.max_steps=2"), new, quiet=True).run()
-    assert losses(new)[0] != losses(straight)[0]  # the new defaults are another run (the test can fail)
+    # the new defaults are another run (so the test can fail): the injection warm-up makes step 1 identical
+    # (g = 0), and each parameter has its own init stream, so the runs part from step 2 on
+    assert losses(new) != losses(straight)[:2]
