@@ -51,7 +51,7 @@ def mod_section(stats: dict, model=None) -> object:
         return NOT_AVAILABLE
     calibrator = mod_calibrator(model) if model is not None else None
     eligible = list(calibrator.eligible_list) if calibrator is not None else None
-    weights = calibrator.work_weight.tolist() if calibrator is not None else None
+    weights = list(calibrator.work_weight_list) if calibrator is not None else None
     out = {"skip_rate_per_sublayer": [1.0 - e for e in executed], "executed_frac_per_sublayer": executed,
            "realised_skip_rate": realised_skip_rate(executed, eligible, weights),
            "realised_skip_rate_tokens": realised_skip_rate(executed, eligible)}
@@ -140,7 +140,7 @@ def run_dial(model, seq_len: int, evaluate: Callable, rates: Iterable[float] = D
         set_rate = ((lambda m, r: calibrate_skip_rate(m, r, calibrate_forwards)) if calibrate_forwards is not None
                     else (lambda m, r: m.set_mod_skip_rate(r)))
         return compute_dial(model, model.config, seq_len, evaluate, set_rate, rates, calibrator.eligible_list,
-                            calibrator.work_weight.tolist())
+                            list(calibrator.work_weight_list))
     finally:
         calibrator.load_state_dict(saved)
         calibrator.skip_rate = saved_rate

@@ -254,8 +254,6 @@ class MoDCalibrator(nn.Module):
     def _set_thresholds(self, level_n: torch.Tensor, mode: Optional[str] = None) -> None:
         """Thresholds of the next forwards for a target `level_n` (n,) (global: its eligible entries agree)."""
         mode = mode or self.mode
-        capped = self.max_sublayer_skip is not None
-        cap_q_n = histogram_quantile(self.histogram, self.cap) if capped else None
         if mode == "per_sublayer":
             q_n = histogram_quantile(self.histogram, torch.minimum(level_n, self.cap))
         else:
@@ -266,8 +264,8 @@ class MoDCalibrator(nn.Module):
                 p = global_threshold(self.histogram, self.work_weight, self.cap,
                                      float(levels[0]) if levels.numel() else 0.0)
             q_n = torch.full_like(self.correction, p)
-            if capped:
-                q_n = torch.minimum(q_n, cap_q_n)
+            if self.max_sublayer_skip is not None:  # each sublayer's ceiling as a threshold: Q_l(c_l)
+                q_n = torch.minimum(q_n, histogram_quantile(self.histogram, self.cap))
         self.threshold.copy_(torch.where(self.eligible, q_n, torch.full_like(q_n, EXECUTE_ALL)).to(self.threshold))
 
     @torch.no_grad()
@@ -303,13 +301,13 @@ class MoDCalibrator(nn.Module):
     def skip_rate_of(self, fractions: Sequence[float]) -> float:
         """The skipped share of the skippable work: Σ w_l (1 − f_l) / Σ w_l over the eligible sublayers (the
         quantity model.mod.skip_rate targets in global mode)."""
-        w = self.work_weight.tolist()
+        w = self.work_weight_list  # the python copy: no device read per call
         total = sum(wi for wi, e in zip(w, self.eligible_list) if e)
         return sum(wi * (1.0 - f) for wi, f, e in zip(w, fractions, self.eligible_list) if e) / total
 
     def work_shares(self, fractions: Sequence[float]) -> list[float]:
         """Per sublayer, its skipped work as a share of all skippable work (they sum to skip_rate_of)."""
-        w = self.work_weight.tolist()
+        w = self.work_weight_list
         total = sum(wi for wi, e in zip(w, self.eligible_list) if e)
         return [wi * (1.0 - f) / total if e else 0.0 for wi, f, e in zip(w, fractions, self.eligible_list)]
 
