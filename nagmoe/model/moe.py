@@ -71,6 +71,13 @@ def router_z_loss(logits_NE: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits_NE, dim=-1).square().mean()
 
 
+def expert_capacity(factor: Optional[float], n_tokens: int, top_k: int, n_experts: int) -> Optional[int]:
+    """model.moe.capacity_factor's bound: ceil(f·N·K/E) routing slots per expert (None = dropless)."""
+    if factor is None:
+        return None
+    return max(1, math.ceil(factor * n_tokens * top_k / n_experts))
+
+
 class MoELayer(nn.Module):
     """Dropless top-k MoE FFN: `forward(x_BTD) -> (y_BTD, aux_loss)`, or `(y_BTD, aux_loss, gate_scale_BT)`
     with `gate_scale_output` (the sublayer contract of nagmoe/model/residual.py).
@@ -157,9 +164,7 @@ class MoELayer(nn.Module):
 
     def capacity(self, n_tokens: int) -> Optional[int]:
         """Routing slots each expert may take from a micro-batch of `n_tokens` (None = dropless)."""
-        if self.capacity_factor is None:
-            return None
-        return max(1, math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts))
+        return expert_capacity(self.capacity_factor, n_tokens, self.top_k, self.n_experts)
 
     def run_experts(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Expert MLPs on slots sorted by expert (the seam an expert-parallel dispatcher replaces)."""

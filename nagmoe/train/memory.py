@@ -30,11 +30,11 @@ Parts, in bytes per rank (N = tokens of one micro-batch on the rank, P = paralle
 from __future__ import annotations
 
 import copy
-import math
 from typing import Optional
 
 import torch
 
+from nagmoe.model.moe import expert_capacity
 from nagmoe.schema import expert_hidden
 
 GIB = 2 ** 30
@@ -139,9 +139,9 @@ def receive_worst_bytes(model_cfg, tokens: int, ep: int, device: str) -> int:
     moe = model_cfg.moe
     K, E, D, H = moe.top_k, moe.n_experts, model_cfg.d_model, expert_hidden(model_cfg)
     rows = ep * tokens * K
-    factor = getattr(moe, "capacity_factor", None)
-    if factor is not None:
-        rows = min(rows, ep * (E // ep) * math.ceil(factor * tokens * K / E))
+    capacity = expert_capacity(getattr(moe, "capacity_factor", None), tokens, K, E)
+    if capacity is not None:
+        rows = min(rows, ep * (E // ep) * capacity)
     act = 2 if device == "cuda" else 4
     return rows * (2 * D + 2 * H) * act
 
