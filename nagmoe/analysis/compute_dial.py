@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional, Sequence
 
+from nagmoe.model.mod_calibration import realised_skip_rate  # the one skip-rate rule (the calibrator uses it too)
+
 DIAL_RATES = (0.0, 0.1, 0.2, 0.3, 0.4)
 DIAL_PASSES = 4  # fixed-point passes of the dial's calibration
 DIAL_TOLERANCE = 0.002  # stop calibrating once the realised rate is this close
@@ -32,15 +34,6 @@ def mod_calibrator(model):
     """The model's MoDCalibrator, or None (no MoD in this model, or a model without the MoD API)."""
     getter = getattr(model, "mod_calibrator", None)
     return getter() if callable(getter) else None
-
-
-def realised_skip_rate(executed: Sequence[float], eligible: Optional[Sequence[bool]] = None,
-                       weights: Optional[Sequence[float]] = None) -> float:
-    """The skipped share of the eligible sublayers' work, Σ w_l (1 − f_l) / Σ w_l (all eligible when `eligible`
-    is None; w_l = 1 when `weights` is None: the mean executed fraction)."""
-    n = len(executed)
-    pairs = [(w, f) for f, ok, w in zip(executed, eligible or [True] * n, weights or [1.0] * n) if ok]
-    return sum(w * (1.0 - f) for w, f in pairs) / sum(w for w, _ in pairs)
 
 
 def mod_section(stats: dict, model=None) -> object:

@@ -39,6 +39,15 @@ THRESHOLD_MODES = ("global", "per_sublayer", "fixed")
 _BISECTIONS = 40  # p in [0, 1] to 1e-12
 
 
+def realised_skip_rate(executed: Sequence[float], eligible: Optional[Sequence[bool]] = None,
+                       weights: Optional[Sequence[float]] = None) -> float:
+    """The skipped share of the eligible sublayers' work, Σ w_l (1 − f_l) / Σ w_l (all eligible when `eligible`
+    is None; w_l = 1 when `weights` is None: the mean executed fraction)."""
+    n = len(executed)
+    pairs = [(w, f) for f, ok, w in zip(executed, eligible or [True] * n, weights or [1.0] * n) if ok]
+    return sum(w * (1.0 - f) for w, f in pairs) / sum(w for w, _ in pairs)
+
+
 def histogram_cdf(hist_nK: torch.Tensor, p) -> torch.Tensor:
     """F_n(p): per row, the share of the histogram's mass at or below p (a float or one per row), linear inside
     a bin; 0 for an empty row."""
@@ -295,15 +304,12 @@ class MoDCalibrator(nn.Module):
 
     def token_skip_rate(self, fractions: Sequence[float]) -> float:
         """1 − the mean executed fraction over the eligible sublayers (every sublayer's token share alike)."""
-        chosen = [f for f, e in zip(fractions, self.eligible_list) if e]
-        return 1.0 - sum(chosen) / len(chosen)
+        return realised_skip_rate(fractions, self.eligible_list)
 
     def skip_rate_of(self, fractions: Sequence[float]) -> float:
-        """The skipped share of the skippable work: Σ w_l (1 − f_l) / Σ w_l over the eligible sublayers (the
-        quantity model.mod.skip_rate targets in global mode)."""
-        w = self.work_weight_list  # the python copy: no device read per call
-        total = sum(wi for wi, e in zip(w, self.eligible_list) if e)
-        return sum(wi * (1.0 - f) for wi, f, e in zip(w, fractions, self.eligible_list) if e) / total
+        """The skipped share of the skippable work over the eligible sublayers (the quantity model.mod.skip_rate
+        targets in global mode); the weights are the python copy: no device read per call."""
+        return realised_skip_rate(fractions, self.eligible_list, self.work_weight_list)
 
     def work_shares(self, fractions: Sequence[float]) -> list[float]:
         """Per sublayer, its skipped work as a share of all skippable work (they sum to skip_rate_of)."""
