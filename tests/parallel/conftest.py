@@ -14,3 +14,15 @@ def micro_overrides(request, micro_data):
     root = request.config.pluginmanager.get_plugin(os.path.join(REPO, "tests", "conftest.py"))
     data_dir, corpus = micro_data
     return [*root.MICRO_OVERRIDES, f"data.corpus={corpus}", f"data.data_dir={data_dir}"]
+
+
+@pytest.fixture(scope="session")
+def paper_vocab_data(tmp_path_factory):
+    """The whole offline Shakespeare corpus at the paper's 32768-id vocabulary (a BPE trained on the corpus
+    itself), 128-token rows: the data of the r40 rehearsals (test_rehearsal_r40*.py)."""
+    from nagmoe.data.prepare import prepare_single
+    from test_rehearsal_r40 import load, paper_overrides
+
+    data_dir = str(tmp_path_factory.mktemp("paper_vocab") / "data")
+    prepare_single(load("nag-r40", paper_overrides("nag-r40", data_dir, 2)))
+    return data_dir
