@@ -165,7 +165,12 @@ class TrainConfig:
     eval_tokens: int = 65536
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
-    compile: bool = False
+    # auto (on for CUDA, off for CPU) | true | false: the sublayers as compiled units (nagmoe/train/speed.py);
+    # YAML booleans keep their meaning, a saved config without the key reads false (LEGACY_VALUES)
+    compile: str = "auto"
+    # uniform | legacy: one precision policy for both residual streams (docs/architecture.md); a saved config
+    # without the key reads legacy (LEGACY_VALUES), the numerics of the runs before it
+    precision: str = "uniform"
     activation_checkpointing: bool = False  # recompute each sublayer in the backward (deep configs)
     nonfinite: str = "halt"  # a NaN/Inf loss or grad norm: halt (exit 3) | skip (drop the update, count it)
     gate_collapse_every: int = 100  # gate-collapse check every N steps after the injection warm-up (0 = off)
@@ -208,6 +213,8 @@ CHOICES = {
     "model.mod.sublayers": ("all", "attention", "ffn", "every_other"),
     "model.mod.threshold": ("global", "per_sublayer", "fixed"),
     "train.device": ("auto", "cpu", "cuda"),
+    "train.compile": ("auto", "true", "false"),
+    "train.precision": ("uniform", "legacy"),
     "train.optimizer": ("muon", "adamw"),
     "train.flop_convention": ("matmul", "non_embedding"),
     "train.nonfinite": ("halt", "skip"),
@@ -243,13 +250,19 @@ LEGACY_VALUES = {
     "model.mod.threshold": "per_sublayer",
     "model.mod.max_sublayer_skip": None,
     "train.flop_convention": "matmul",
+    "train.compile": "false",
+    "train.precision": "legacy",
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract.
 RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every")
 # Keys of the parallel layout that may change too (issue 25): the torch engine reshards a checkpoint on load
 # (nagmoe.checkpoint.torch_layout), so a run resumes on another world size, EP degree or micro-batch; the
-# global batch (train.batch_tokens) may not change.
-RESUMABLE_LAYOUT_KEYS = ("parallel.ep", "train.micro_batch_tokens")
+# global batch (train.batch_tokens) may not change. train.compile (issue 26) changes how the step runs, not
+# what it computes (compiled = eager within rounding): a run started eager resumes compiled and back.
+RESUMABLE_LAYOUT_KEYS = ("parallel.ep", "train.micro_batch_tokens", "train.compile")
+# str keys with the choices auto | true | false that were booleans once: YAML booleans (and the strings the
+# boolean keys accept) read as "true" / "false"
+TRISTATE_KEYS = ("train.compile",)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -266,6 +279,9 @@ def _unwrap_optional(tp) -> tuple[Any, bool]:
         if len(args) == 1:
             return args[0], True
     return tp, False
+
+
+_BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
 
 def _coerce(key: str, value: Any, tp) -> Any:
@@ -308,6 +324,8 @@ def _coerce(key: str, value: Any, tp) -> Any:
                 pass
         raise ConfigError(f"{key}: {value!r} is not a number")
     if base is str:
+        if key in TRISTATE_KEYS and str(value).lower() in _BOOL_WORDS:  # True -> "true", "off" -> "false"
+            return "true" if _BOOL_WORDS[str(value).lower()] else "false"
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{key}: {value!r} is not a string")

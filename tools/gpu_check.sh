@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
-# One prepared GPU check (<= 4 minutes on one H200), every section under its own timeout:
-#   install (pip install --no-deps --no-build-isolation -e ., nothing else) -> environment -> the gpu-marked
-#   tests (tests/gpu/, by path) -> a DCP checkpoint of this torch read back through the restricted unpickler
-#   (its .metadata kept under the results) -> benchmarks at the paper width, 4 layers (tools/bench_suite.py
-#   --device cuda --paper-width: tokens/s, MFU, NAG overhead, MoD speed-up, peak memory) -> one summary table.
-# Eager by default (the fused NAG update is one of the measured variants); synthetic data only.
+# One prepared GPU check for one H200 (Python 3.12, torch 2.11, no network), under 6 minutes with compilation.
+# Sections, most valuable first, each in its own process under its own time limit, each result written into
+# $RESULTS/bench.json as the section ends (tools/gpu_check_sections.py; a failed or timed-out section records
+# its status and error, and the next one runs):
+#   install    pip install --no-deps --no-build-isolation -e . (nothing else; GPU mode only)
+#   data       script-made token shards at the paper vocabulary (no network, no `datasets`)
+#   train_r40  configs/paper/{baseline,nag,nag-mod20}-r40.yaml at EP=1 through the real Trainer in one process
+#              (shared compile caches), 65536-token batches, 10 steps: tokens/s, MFU (data sheet and a measured
+#              bf16 matmul), peak memory vs the estimate, host syncs per step, losses, MoD's realised skip and
+#              wall-clock gain vs its FLOP gain, NAG / baseline step time; eager fallback recorded as such
+#   resume     a 4-layer nag-mod20-r40 saved and resumed through the Trainer: losses match the straight run
+#   mod_block  the MoD block benchmark's slot (tools/bench_mod.py --block, issue 28; "pending" until it exists)
+#   env        the blocker below is active, imports, versions;  tests: tests/gpu/ (gpu-marked);
+#   dcp        a DCP checkpoint of this torch read back through the restricted unpickler (.metadata kept)
+# Each limit is also capped by what is left of the script's budget (GPU_CHECK_BUDGET seconds: 350, --cpu 170).
 # `datasets`, `wandb` and `deepspeed` are hidden from every Python process (a meta-path blocker in a temporary
 # sitecustomize), as on the GPU machine, which has none of them: an import of one at import time fails here.
 #
 #   tools/gpu_check.sh            # on the GPU machine
-#   tools/gpu_check.sh --cpu      # smoke mode (CI): the same sections at tiny sizes, no install
-# Results: $GPU_CHECK_OUT (default: $OUT if set, else a temporary folder): one log per section, bench.json.
+#   tools/gpu_check.sh --cpu      # CI: the same sections at tiny size on CPU (no install), < 3 minutes
+# Results: $GPU_CHECK_OUT (default: $OUT if set, else a temporary folder): bench.json, gpu_check.log (every
+# section's output), the DCP .metadata. Run dirs and data live in a scratch folder removed at the end.
+# Test hooks: GPU_CHECK_SECTIONS=a,b (only those), GPU_CHECK_FAIL=name (that section fails at its start),
+# GPU_CHECK_HANG=name (it hangs until its limit), GPU_CHECK_LIMIT_<name>=seconds (another limit).
 set -u
 MODE=gpu
 if [[ "${1:-}" == "--cpu" ]]; then MODE=cpu; elif [[ $# -gt 0 ]]; then
@@ -22,7 +34,8 @@ PY="${PYTHON:-python3}"
 RESULTS="${GPU_CHECK_OUT:-${OUT:-$(mktemp -d)}}"
 mkdir -p "$RESULTS"
 BLOCK="$(mktemp -d)"
-trap 'rm -rf "$BLOCK"' EXIT
+WORK="$(mktemp -d)"
+trap 'rm -rf "$BLOCK" "$WORK"' EXIT
 
 # -- the import blocker ------------------------------------------------------------------------------------
 cat > "$BLOCK/sitecustomize.py" <<'PYEOF'
@@ -43,109 +56,53 @@ class _Hide:
 sys.meta_path.insert(0, _Hide())
 PYEOF
 export PYTHONPATH="$BLOCK:$REPO${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONDONTWRITEBYTECODE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
+export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
 if [[ $MODE == cpu ]]; then
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" CUDA_VISIBLE_DEVICES=""
+  BUDGET="${GPU_CHECK_BUDGET:-170}"
+  SECTIONS=(data:30 train_r40:90 resume:60 mod_block:30 env:30 tests:60 dcp:30)
+else
+  BUDGET="${GPU_CHECK_BUDGET:-350}"  # + at most 5 s of a last kill and the summary: under 6 minutes
+  SECTIONS=(install:60 data:45 train_r40:210 resume:90 mod_block:60 env:30 tests:90 dcp:30)
 fi
+DRIVER=("$PY" "$REPO/tools/gpu_check_sections.py")
+LOG="$RESULTS/gpu_check.log"
+: > "$LOG"
+"${DRIVER[@]}" init --out "$RESULTS" --mode "$MODE" || exit 1
 
-declare -a SUMMARY
-run_section() {  # name, timeout seconds, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout --kill-after=5 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
-  local rc=$?
-  local status=ok
-  if [[ $rc -eq 124 || $rc -eq 137 ]]; then status="TIMEOUT (${limit}s)"; elif [[ $rc -ne 0 ]]; then status="FAILED rc=$rc"; fi
-  SUMMARY+=("$(printf '%-10s %-18s %4ss' "$name" "$status" $((SECONDS - t0)))")
-  echo "== $name: $status ($((SECONDS - t0)) s); log $RESULTS/$name.log"
-  [[ $status == ok ]] || tail -n 25 "$RESULTS/$name.log"
-  return $rc
+FAILED=0
+run_section() {  # name, limit in seconds
+  local name=$1 limit=$2
+  local custom="GPU_CHECK_LIMIT_$name"
+  limit="${!custom:-$limit}"
+  local left=$((BUDGET - SECONDS))
+  if (( left < 5 )); then
+    "${DRIVER[@]}" record "$name" --out "$RESULTS" --status timeout --seconds 0 \
+      --error "not started: the script's ${BUDGET} s budget is spent"
+    echo "== $name: not started (budget spent)"; FAILED=1; return
+  fi
+  (( limit > left )) && limit=$left
+  local part="$WORK/$name.log" t0=$SECONDS
+  timeout --kill-after=5 "$limit" "${DRIVER[@]}" run "$name" --out "$RESULTS" --work "$WORK" --mode "$MODE" \
+    > "$part" 2>&1
+  local rc=$? secs=$((SECONDS - t0))
+  # a killed or crashed process could not write its own end: the shell does (only over a "running" status)
+  if (( rc == 124 || rc == 137 )); then
+    "${DRIVER[@]}" record "$name" --out "$RESULTS" --status timeout --seconds "$secs" \
+      --error "killed at its ${limit} s limit"
+  elif (( rc != 0 )); then
+    "${DRIVER[@]}" record "$name" --out "$RESULTS" --status failed --seconds "$secs" \
+      --error "exited $rc: $(tail -n 1 "$part" | cut -c1-300)"
+  fi
+  { echo "== $name (exit $rc, ${secs} s)"; cat "$part"; } >> "$LOG"
+  echo "== $name: exit $rc (${secs} s)"
+  if (( rc != 0 )); then tail -n 15 "$part"; FAILED=1; fi
 }
 
-# -- sections ----------------------------------------------------------------------------------------------
-if [[ $MODE == gpu ]]; then
-  run_section install 90 "$PY" -m pip install --no-deps --no-build-isolation -e . || true
-fi
-run_section env 30 "$PY" - <<'PYEOF' || true
-import importlib.util, torch
-for hidden in ("datasets", "wandb", "deepspeed"):
-    try:
-        __import__(hidden)
-        raise SystemExit(f"{hidden} imported: the blocker is not active")
-    except ImportError:
-        pass
-import nagmoe.model, nagmoe.ops.nag_fused, nagmoe.train.trainer, nagmoe.flops  # noqa: E401 (import check)
-print("torch", torch.__version__, "cuda", torch.version.cuda, "device",
-      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
-print("triton", importlib.util.find_spec("triton") is not None)
-PYEOF
-cat "$RESULTS/env.log"
-run_section tests 100 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/ || true
-tail -n 3 "$RESULTS/tests.log"
-# A DCP checkpoint written by this machine's torch (2.11 on the GPU machine), read back through the restricted
-# unpickler; its .metadata lands in $RESULTS/dcp_checkpoint/ to become a test fixture (issue 21).
-run_section dcp_metadata 60 "$PY" - "$RESULTS/dcp_checkpoint" <<'PYEOF' || true
-import shutil, sys, torch
-from nagmoe.checkpoint import load_checkpoint, save_checkpoint
-from nagmoe.checkpoint.safe_dcp import read_metadata_file
-from nagmoe.model import build_model
-from nagmoe.config import load_config
-cfg = load_config("configs/tiny.yaml", ["model.d_model=32", "model.n_layers=1", "model.vocab_size=256"])
-model = build_model(cfg.model)
-optim = torch.optim.AdamW(model.parameters())
-model(torch.randint(0, 256, (1, 16)), torch.randint(0, 256, (1, 16))).loss.backward()
-optim.step()
-shutil.rmtree(sys.argv[1], ignore_errors=True)
-path = save_checkpoint(sys.argv[1], 1, model, optim)
-read_metadata_file(path + "/.metadata")
-fresh = build_model(cfg.model)
-load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters()), restore_rng=False)
-print("torch", torch.__version__, "metadata read back through the allow-list:", path)
-PYEOF
-if [[ $MODE == gpu ]]; then
-  BENCH=(--device cuda --paper-width --sections nag,moe,mod,mfu)
-  BENCH_LIMIT=170
-else
-  BENCH=(--smoke --sections nag,moe,mfu --nag-variants baseline,nag_eager,mod)
-  BENCH_LIMIT=150
-fi
-run_section bench "$BENCH_LIMIT" "$PY" tools/bench_suite.py "${BENCH[@]}" --out "$RESULTS/bench.json" || true
-
-# -- summary -----------------------------------------------------------------------------------------------
-echo
-echo "== summary ($MODE mode; results in $RESULTS)"
-printf '%s\n' "${SUMMARY[@]}"
-if [[ -f "$RESULTS/bench.json" ]]; then
-  "$PY" - "$RESULTS/bench.json" <<'PYEOF'
-import json, sys
-r = json.load(open(sys.argv[1]))
-n = r.get("nag", {})
-base = n.get("baseline", {})
-print(f"\n| variant | tokens/s | step s | peak memory MB (CPU: step RSS) | time / baseline | memory / baseline |")
-print("|---|---|---|---|---|---|")
-for name in ("baseline", "nag_eager", "nag_fused", "mod"):
-    v = n.get(name)
-    if v:
-        mem = v.get("cuda_max_allocated_bytes", v["step_peak_bytes"]) / 2**20
-        print(f"| {name} | {v['tokens_per_s']:.0f} | {v['min_s']:.4f} | {mem:.0f} | "
-              f"{v.get('time_ratio', 1.0):.3f} | {v.get('memory_ratio', 1.0):.3f} |")
-m = r.get("mfu")
-if m:
-    sheet = m.get("mfu_vs_datasheet")
-    print(f"\nMFU: {100 * m['mfu_vs_measured_matmul']:.1f}% of the measured matmul "
-          f"({m['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s); data-sheet: "
-          + (f"{100 * sheet:.1f}%" if sheet else "N/A"))
-if "mod" in n:
-    print(f"MoD-20% speed-up over full depth (NAG eager): {n['mod']['mod_speedup']:.3f}")
-moe = r.get("moe")
-if moe:
-    print("MoE loop / grouped: " + ", ".join(f"{E} experts {moe[f'experts_{E}']['loop_over_grouped']:.2f}x"
-                                             for E in (8, 32, 64)))
-for g in r.get("goals", {}).values():
-    print(f"goal: {g['goal']}: {g['value']:.3f} {'met' if g['met'] else 'NOT met'}")
-PYEOF
-fi
-for line in "${SUMMARY[@]}"; do
-  [[ $line == *FAILED* || $line == *TIMEOUT* ]] && exit 1
+for entry in "${SECTIONS[@]}"; do
+  name=${entry%%:*}
+  if [[ -n "${GPU_CHECK_SECTIONS:-}" && ",$GPU_CHECK_SECTIONS," != *",$name,"* ]]; then continue; fi
+  run_section "$name" "${entry##*:}"
 done
-exit 0
+"${DRIVER[@]}" summary --out "$RESULTS" | tee -a "$LOG"
+exit "$FAILED"

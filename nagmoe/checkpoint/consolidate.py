@@ -80,4 +80,5 @@ def load_consolidated_model(path: str, device: str = "cpu") -> tuple[Config, nn.
     cfg, state = load_consolidated(path)
     model = build_model(cfg.model)
     model.load_state_dict(state)
+    model.set_precision(cfg.train.precision)
     return cfg, model.to(device).eval()

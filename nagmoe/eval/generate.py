@@ -50,6 +50,7 @@ def load_run(run_dir: str, device: str = "cpu") -> LoadedRun:
     tokenizer.encode_special_tokens = True  # as the training documents were encoded
     model = build_model(cfg.model)
     model.set_mod_seq_len(cfg.data.seq_len)  # MoD's work weights as in training
+    model.set_precision(cfg.train.precision)  # the run's numerics (legacy for run dirs from before the key)
     load_model_weights(checkpoint, model, verified=True)  # either engine's layout; verified just above
     return LoadedRun(model.to(device).eval(), tokenizer, bos_id(tokenizer, tok_path), cfg, checkpoint)
 

@@ -132,7 +132,8 @@ def causal_attention(q_BHTS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: torch.T
 
 
 def attention_at_positions(q_BHMS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: torch.Tensor, impl: str,
-                           positions_BM: torch.Tensor, max_blocks: int = 8, min_block: int = 256) -> torch.Tensor:
+                           positions_BM: torch.Tensor, max_blocks: int = 8, min_block: int = 256,
+                           key_ends: Optional[list] = None) -> torch.Tensor:
     """Causal attention for queries at arbitrary absolute positions (MoD's executed queries, padded per
     sequence): query m of sequence b sees keys j <= positions_BM[b, m]. The mask comes from the original
     positions, so only B·M score rows are computed (`math` really computes only those, full key length: the
@@ -149,8 +150,11 @@ def attention_at_positions(q_BHMS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: t
     M, L = q_BHMS.shape[2], k_BKLS.shape[2]
     if impl in ("sdpa", "flash") and M > 0:  # flash: no position-masked kernel, SDPA runs it (no queries: the math path below keeps the empty graph connected)
         size = max(min_block, -(-M // max_blocks))
-        # last key any query of the block may see: running max over m of the batch's positions
-        ends = (positions_BM.amax(0).cummax(0).values + 1).clamp(max=L).tolist()
+        # keys any query up to slot m may see: running max over m of the batch's positions + 1 (MoD's
+        # ExecutedTokens read them with its counts: `key_ends`, no second host read)
+        if key_ends is None:
+            key_ends = (positions_BM.amax(0).cummax(0).values + 1).tolist()
+        ends = [min(e, L) for e in key_ends]
         outs = []
         for start in range(0, M, size):
             stop = min(M, start + size)
@@ -291,7 +295,8 @@ class MultiHeadAttention(nn.Module):
         q_BMHS, positions_BM = executed_queries(q_NHS, cos, sin, select, offset)
         if self.qk_norm:
             q_BMHS = rms_norm(q_BMHS)
-        y_BHMS = attention_at_positions(q_BMHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, positions_BM)
+        y_BHMS = attention_at_positions(q_BMHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, positions_BM,
+                                        key_ends=select.key_ends_at(offset))
         y_NHS = select.from_padded(y_BHMS.transpose(1, 2))
         return self.c_proj(y_NHS.reshape(-1, H * S)), None
 

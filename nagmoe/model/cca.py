@@ -180,5 +180,6 @@ class CCAttention(nn.Module):
             y_BHTS = causal_attention(q_BTHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, q_offset=offset)
             return self.c_proj(y_BHTS.transpose(1, 2).reshape(B, T, H * S)), None
         q_BMHS, positions_BM = executed_queries(rms_norm(select.gather(q_BTHS)), cos, sin, select, offset)
-        y_BHMS = attention_at_positions(q_BMHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, positions_BM)
+        y_BHMS = attention_at_positions(q_BMHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, positions_BM,
+                                        key_ends=select.key_ends_at(offset))
         return self.c_proj(select.from_padded(y_BHMS.transpose(1, 2)).reshape(-1, H * S)), None

@@ -28,6 +28,18 @@ from nagmoe.schema import ELIGIBLE_MODES, eligible_sublayers  # noqa: F401  (the
 
 
 
+def _true_rows(mask_N: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of the `n` True entries of a flat mask, ascending, without a host sync (`nonzero` must read its
+    output size; here the caller knows it)."""
+    if hasattr(torch, "nonzero_static"):
+        try:
+            return torch.nonzero_static(mask_N, size=n).squeeze(1)
+        except (NotImplementedError, RuntimeError):  # a device without the kernel: the sort below
+            pass
+    t_N = torch.arange(mask_N.numel(), device=mask_N.device)
+    return torch.where(mask_N, t_N, t_N + mask_N.numel()).argsort()[:n]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Executed tokens: gather / scatter, flat and padded layouts
 # ----------------------------------------------------------------------------------------------------------
@@ -41,12 +53,33 @@ class ExecutedTokens:
     index_copy on precomputed row indices (their backwards are index_add / index_select: no boolean-mask
     index_put, which is serial on CPU)."""
 
-    def __init__(self, mask_BT: torch.Tensor):
+    def __init__(self, mask_BT: torch.Tensor, flags: Optional[torch.Tensor] = None, queries: bool = True):
+        """One device->host read (issue 26's budget: one per MoD sublayer) brings `flags` (the caller's own
+        small integer tensor, e.g. the calibrator's "does this sublayer skip"; `self.flags` as a list), `n`
+        (executed tokens), `M` (the most in one sequence) and, for attention (`queries`), `key_ends`: per
+        padded query slot m, the keys any sequence's m-th executed query may see (running max of position + 1;
+        attention_at_positions cuts its key blocks there). Nothing else syncs: the flat rows come from
+        `nonzero_static` (or a sort) of the known size."""
         self.mask_BT = mask_BT
         self.B, self.T = mask_BT.shape
         self.counts_B = mask_BT.sum(1)
-        self.index_N = mask_BT.reshape(-1).nonzero().squeeze(1)  # flat rows of (B·T), ascending
-        self.n = int(self.index_N.numel())
+        device = mask_BT.device
+        flags_F = (flags if flags is not None else torch.zeros(0, device=device)).long().view(-1)
+        self._positions_BT = None
+        parts = [flags_F]
+        if self.B:
+            parts += [self.counts_B.sum().view(1), self.counts_B.max().view(1)]
+            if queries:  # executed positions first, ascending (keys are unique: no ties); padding at 0
+                t_T = torch.arange(self.T, device=device)
+                order_BT = torch.where(mask_BT, t_T, t_T + self.T).argsort(dim=1)
+                self._positions_BT = order_BT.where(t_T < self.counts_B.unsqueeze(1), 0)
+                parts.append(self._positions_BT.amax(0).cummax(0).values + 1)
+        values = torch.cat(parts).tolist()  # the one read
+        f = flags_F.numel()
+        self.flags = values[:f]
+        self.n, self.M = (values[f], values[f + 1]) if self.B else (0, 0)
+        self.key_ends = values[f + 2:f + 2 + self.M] if self._positions_BT is not None else None
+        self.index_N = _true_rows(mask_BT.reshape(-1), self.n)  # flat rows of (B·T), ascending
         self._padded = None
 
     def gather(self, x_BT_: torch.Tensor) -> torch.Tensor:
@@ -57,19 +90,23 @@ class ExecutedTokens:
         return out.view(self.B, self.T, *y_N_.shape[1:])
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions_BM, valid_BM); executed positions first, ascending (keys are unique: no ties)."""
+        """(positions_BM, valid_BM); executed positions first, ascending; padding slots at position 0."""
         if self._padded is None:
-            M = int(self.counts_B.max()) if self.B else 0
-            t_T = torch.arange(self.T, device=self.mask_BT.device)
-            key_BT = torch.where(self.mask_BT, t_T, t_T + self.T)
-            valid_BM = torch.arange(M, device=t_T.device) < self.counts_B.unsqueeze(1)
-            positions_BM = key_BT.argsort(dim=1)[:, :M].where(valid_BM, 0)  # padding slots at position 0
+            M, t_T = self.M, torch.arange(self.T, device=self.mask_BT.device)
+            if self._positions_BT is None:
+                order_BT = torch.where(self.mask_BT, t_T, t_T + self.T).argsort(dim=1)
+                self._positions_BT = order_BT.where(t_T < self.counts_B.unsqueeze(1), 0)
+            valid_BM = t_T[:M] < self.counts_B.unsqueeze(1)
+            positions_BM = self._positions_BT[:, :M]
             # padded slot of each executed token: b·M + its rank within its sequence
             rank_N = (self.mask_BT.cumsum(1) - 1).reshape(-1).index_select(0, self.index_N)
             self.slot_N = torch.div(self.index_N, self.T, rounding_mode="floor") * M + rank_N
-            self.M = M
             self._padded = (positions_BM, valid_BM)
         return self._padded
+
+    def key_ends_at(self, offset: int) -> Optional[list]:
+        """`key_ends` for keys that start `offset` positions earlier (an inference cache)."""
+        return None if self.key_ends is None else [e + offset for e in self.key_ends]
 
     def to_padded(self, x_N_: torch.Tensor) -> torch.Tensor:
         self.padded()

@@ -85,21 +85,18 @@ def work_skip(hist_nK: torch.Tensor, weight_n: torch.Tensor, cap_n: torch.Tensor
     return (weight_n * torch.minimum(histogram_cdf(hist_nK, p), cap_n)).sum() / weight_n.sum().clamp_min(1e-300)
 
 
-def global_threshold(hist_nK: torch.Tensor, weight_n: torch.Tensor, cap_n: torch.Tensor, level: float) -> float:
-    """The smallest p in [0, 1] whose work-weighted skip reaches `level` (bisection: the skip is monotone in
-    p); 1.0 where the ceilings make the level unreachable, EXECUTE_ALL for level <= 0."""
-    if level <= 0:
-        return EXECUTE_ALL
-    lo, hi = 0.0, 1.0
-    if float(work_skip(hist_nK, weight_n, cap_n, hi)) < level:
-        return hi
+def global_threshold(hist_nK: torch.Tensor, weight_n: torch.Tensor, cap_n: torch.Tensor, level) -> torch.Tensor:
+    """The smallest p in [0, 1] whose work-weighted skip reaches `level` (a float or 0-dim tensor), as a 0-dim
+    float64 tensor: bisection on the device (the skip is monotone in p), no host read; 1.0 where the ceilings
+    make the level unreachable, EXECUTE_ALL for level <= 0."""
+    level = torch.as_tensor(level, dtype=torch.float64, device=hist_nK.device)
+    lo, hi = torch.zeros_like(level), torch.ones_like(level)
+    reachable = work_skip(hist_nK, weight_n, cap_n, hi) >= level
     for _ in range(_BISECTIONS):
         mid = 0.5 * (lo + hi)
-        if float(work_skip(hist_nK, weight_n, cap_n, mid)) >= level:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+        ok = work_skip(hist_nK, weight_n, cap_n, mid) >= level
+        hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid)
+    return torch.where(level <= 0, torch.full_like(level, EXECUTE_ALL), torch.where(reachable, hi, 1.0))
 
 
 class MoDCalibrator(nn.Module):
@@ -191,21 +188,24 @@ class MoDCalibrator(nn.Module):
         if not self.eligible_list[index]:
             return None
         score_BT = score_BT.detach()
-        skipping = bool(self.skipping[index])
-        mask_BT = score_BT > self.threshold[index] if skipping else None
-        executed = mask_BT.sum() if skipping else score_BT.numel()
+        mask_BT = score_BT > self.threshold[index]
+        # the sublayer's one device->host read: does it skip, how many execute, the most in one sequence (and
+        # for attention, the even indices of the transformer, the key ends of its query blocks)
+        select = ExecutedTokens(mask_BT, flags=self.skipping[index], queries=index % 2 == 0)
+        skipping, n, M = bool(select.flags[0]), select.n, select.M
+        executed = n if skipping else score_BT.numel()
         if self.training:
             bin_N = (score_BT.reshape(-1).float() * self.bins).long().clamp_(0, self.bins - 1)
-            self.pending_hist[index] += torch.bincount(bin_N, minlength=self.bins).to(self.pending_hist.dtype)
+            hist_K = self.pending_hist[index]  # index_add_, not bincount: no output-size read
+            hist_K.index_add_(0, bin_N, torch.ones(bin_N.shape, dtype=hist_K.dtype, device=hist_K.device))
             self.pending_tokens[index] += score_BT.numel()
             self.pending_executed[index] += executed
             # attention runs executed queries padded to the longest row: B · max_b count_b rows
-            self.pending_padded[index] += (mask_BT.sum(1).max() * mask_BT.shape[0]) if skipping \
-                else score_BT.numel()
+            self.pending_padded[index] += M * mask_BT.shape[0] if skipping else score_BT.numel()
         else:
             self.inference_tokens[index] += score_BT.numel()
             self.inference_executed[index] += executed
-        return ExecutedTokens(mask_BT) if skipping else None
+        return select if skipping else None
 
     def pending_counts(self) -> torch.Tensor:
         """This step's counts, packed in one float64 tensor (what `update` all-reduces over ranks)."""
@@ -237,7 +237,7 @@ class MoDCalibrator(nn.Module):
         self.histogram.mul_(self.decay).add_(hist_nK)
         self._control(fractions_n, self.skipping & (tokens_n > 0))
         self._set_thresholds(self.skip_rate + self.correction)
-        started = bool(self.tokens_seen >= self.start_tokens)
+        started = self.tokens_seen >= self.start_tokens
         self.skipping.copy_(self.eligible & (self.histogram.sum(1) > 0) & started & (self.skip_rate > 0))
         for buf in (self.pending_hist, self.pending_executed, self.pending_tokens, self.pending_padded):
             buf.zero_()
@@ -267,12 +267,11 @@ class MoDCalibrator(nn.Module):
             q_n = histogram_quantile(self.histogram, torch.minimum(level_n, self.cap))
         else:
             if mode == "fixed":
-                p = float(self.p_thres)
-            else:
-                levels = level_n[self.eligible]
-                p = global_threshold(self.histogram, self.work_weight, self.cap,
-                                     float(levels[0]) if levels.numel() else 0.0)
-            q_n = torch.full_like(self.correction, p)
+                q_n = torch.full_like(self.correction, float(self.p_thres))
+            else:  # the eligible entries of level_n agree (global mode): take the first one's, 0 with none
+                first = self.eligible_list.index(True) if any(self.eligible_list) else None
+                level = level_n[first] if first is not None else 0.0
+                q_n = global_threshold(self.histogram, self.work_weight, self.cap, level).expand_as(self.correction)
             if self.max_sublayer_skip is not None:  # each sublayer's ceiling as a threshold: Q_l(c_l)
                 q_n = torch.minimum(q_n, histogram_quantile(self.histogram, self.cap))
         self.threshold.copy_(torch.where(self.eligible, q_n, torch.full_like(q_n, EXECUTE_ALL)).to(self.threshold))

@@ -181,7 +181,9 @@ class MoELayer(nn.Module):
         logits_NE = self.router(x_ND)
         probs_NE = logits_NE.softmax(dim=-1)
         gate_NK, expert_NK = probs_NE.topk(K, dim=-1)  # not renormalised over the k (module docstring)
-        counts_E = torch.bincount(expert_NK.reshape(-1), minlength=E)
+        expert_S = expert_NK.reshape(-1)  # slot s = n·K + k
+        # routing slots per expert, on the device (bincount would read its output size on the host)
+        counts_E = expert_S.new_zeros(E).index_add_(0, expert_S, torch.ones_like(expert_S))
 
         lb = load_balancing_loss(probs_NE, counts_E, K)
         z = router_z_loss(logits_NE)

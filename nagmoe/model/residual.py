@@ -48,6 +48,12 @@ def compute_dtype(like: torch.Tensor) -> torch.dtype:
     return like.dtype
 
 
+# `train.precision` (docs/architecture.md, "precision policy"): `uniform` (new runs) gives both streams the same
+# numerics: an fp32 carrier, matmul inputs in the autocast dtype, the unembedding matmul too; `legacy` (run
+# dirs from before the key) keeps NAG's direction in the compute dtype and its decode an fp32 matmul.
+PRECISIONS = ("uniform", "legacy")
+
+
 class ResidualStream(nn.Module):
     """Interface. `head_init_std` is the std the transformer initialises the unembedding with."""
 
@@ -55,6 +61,7 @@ class ResidualStream(nn.Module):
         super().__init__()
         self.d_model = model_cfg.d_model
         self.n_sublayers = n_sublayers
+        self.precision = "uniform"  # Transformer.set_precision
 
     def head_init_std(self) -> float:
         raise NotImplementedError
@@ -66,6 +73,14 @@ class ResidualStream(nn.Module):
         raise NotImplementedError
 
     def decode(self, state, lm_head: nn.Linear, stats: Optional[StatsCollector] = None) -> torch.Tensor:
+        """fp32 logits (B, T, V) of the final state."""
+        return self.decode_with(state, self.decode_weight(lm_head))
+
+    def decode_weight(self, lm_head: nn.Linear) -> torch.Tensor:
+        """The (V, D) matrix the logits are read with (computed once; a chunked loss reuses it per chunk)."""
+        raise NotImplementedError
+
+    def decode_with(self, state, w_VD: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def set_injection_warmup(self, factor: float) -> None:
@@ -100,8 +115,11 @@ class PreNormResidual(ResidualStream):
                 stream_rms_in=mean_rms(x_BTD), stream_rms_out=mean_rms(out_BTD))
         return out_BTD, aux
 
-    def decode(self, x_BTD, lm_head, stats=None):
-        logits_BTV = lm_head(rms_norm(x_BTD)).float()
+    def decode_weight(self, lm_head):
+        return lm_head.weight
+
+    def decode_with(self, x_BTD, w_VD):
+        logits_BTV = F.linear(rms_norm(x_BTD), w_VD).float()  # under autocast: bf16 inputs, fp32 accumulation
         if self.logit_softcap > 0:
             logits_BTV = self.logit_softcap * torch.tanh(logits_BTV / self.logit_softcap)
         return logits_BTV
@@ -233,7 +251,9 @@ class NAGResidual(ResidualStream):
         direction_BTD = e_BTD * torch.rsqrt(mean_sq_BT + _TINY).unsqueeze(-1)
         if stats is not None:
             stats.add_scalar(g_encode=self.g_encode, injection_warmup=self.injection_warmup)
-        return NAGState(log_norm_BT, direction_BTD.to(compute_dtype(wte.weight)))
+        if self.precision == "legacy":  # the direction lane in the compute dtype
+            direction_BTD = direction_BTD.to(compute_dtype(wte.weight))
+        return NAGState(log_norm_BT, direction_BTD)
 
     def apply(self, index, sublayer, state, stats=None):
         log_norm_BT, direction_BTD = state
@@ -264,15 +284,21 @@ class NAGResidual(ResidualStream):
             self._record(stats, gate, state, new_log_norm_BT, new_direction_BTD, m_BT, scale_BT, select)
         return NAGState(new_log_norm_BT, new_direction_BTD), aux
 
-    def decode(self, state, lm_head, stats=None):
-        log_norm_BT, direction_BTD = state
-        with torch.autocast(device_type=direction_BTD.device.type, enabled=False):
+    def decode_weight(self, lm_head):
+        with torch.autocast(device_type=lm_head.weight.device.type, enabled=False):
             w_VD = lm_head.weight.float()
-            w_VD = rms_normalise(w_VD - w_VD.mean(-1, keepdim=True))
+            return rms_normalise(w_VD - w_VD.mean(-1, keepdim=True))
+
+    def decode_with(self, state, w_VD):
+        log_norm_BT, direction_BTD = state
+        dtype = compute_dtype(w_VD) if self.precision == "uniform" else torch.float32
+        with torch.autocast(device_type=direction_BTD.device.type, enabled=False):
             # both sides RMS 1, i.e. norm sqrt(d): cos = <R_bar, W[v]> / d; the per-token factor exp(s)/d is
-            # folded into the (B, T, D) side so only one (B, T, V) tensor is allocated
+            # folded into the (B, T, D) side so only one (B, T, V) tensor is allocated. `uniform`: the matmul
+            # in the compute dtype (fp32 accumulation) like the pre-norm head; `legacy`: in fp32.
             factor_BT = log_norm_BT.float().exp() / self.d_model
-            return F.linear(rms_normalise(direction_BTD.float()) * factor_BT.unsqueeze(-1), w_VD)
+            a_BTD = rms_normalise(direction_BTD.float()) * factor_BT.unsqueeze(-1)
+            return F.linear(a_BTD.to(dtype), w_VD.to(dtype)).float()
 
     @torch.no_grad()
     def _record(self, stats, gate, state_in, log_norm_BT, direction_BTD, m_BT, scale_BT, select=None):

@@ -31,6 +31,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from nagmoe.errors import UserError
@@ -38,11 +39,14 @@ from nagmoe.model.attention import AttentionCache, build_attention
 from nagmoe.model.init_rng import ParamInit, init_model
 from nagmoe.model.mlp import DenseMLP
 from nagmoe.model.mod import run_on_executed
-from nagmoe.model.residual import build_residual_stream
+from nagmoe.model.residual import PRECISIONS, build_residual_stream
 from nagmoe.model.roles import UNEMBEDDING
 from nagmoe.model.stats import StatsCollector
 
 IGNORE_INDEX = -1  # targets < 0 are not scored
+# `uniform` precision computes logits and loss in chunks of at most this many fp32 logits (256 MB: 2048 tokens
+# at V = 32768), each recomputed in the backward, so the (B, T, V) fp32 logits never exist at once
+LOSS_CHUNK_ELEMENTS = 2 ** 26
 
 
 class ModelOutput(NamedTuple):
@@ -106,6 +110,8 @@ class Transformer(nn.Module):
         self.stream = build_residual_stream(model_cfg, 2 * model_cfg.n_layers)
         # Statistics are off unless asked for (`model.collect_stats`, this attribute, or forward's argument).
         self.collect_stats = bool(getattr(model_cfg, "collect_stats", False))
+        self.precision = "uniform"  # set_precision (train.precision)
+        self.loss_chunk_tokens: Optional[int] = None  # None: LOSS_CHUNK_ELEMENTS // vocab_size
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -121,6 +127,14 @@ class Transformer(nn.Module):
         for block in self.blocks:
             yield block.attn
             yield block.ffn
+
+    def set_precision(self, policy: str) -> None:
+        """`train.precision` (docs/architecture.md): `uniform` (fp32 carrier in both streams, every matmul but
+        the router's in the autocast dtype, chunked logits and loss) or `legacy` (the numerics of run dirs
+        from before the key: NAG's direction in the compute dtype, its decode in fp32, full logits)."""
+        if policy not in PRECISIONS:
+            raise UserError(f"train.precision: {policy!r} is not one of {', '.join(PRECISIONS)}")
+        self.precision = self.stream.precision = policy
 
     def set_injection_warmup(self, factor: float) -> None:
         """NAG injection warm-up factor in [0, 1] (the trainer sets min(1, tokens / model.nag.warmup_tokens));
@@ -191,6 +205,10 @@ class Transformer(nn.Module):
             state, aux = self.stream.apply(index, sublayer, state, stats)
             if aux is not None:
                 aux_loss = aux_loss + aux
+        if targets_BT is not None and self.precision == "uniform" and stats is None:
+            loss = chunked_loss(self.stream, state, self.lm_head, targets_BT, reduction,
+                                self.loss_chunk_tokens or max(1, LOSS_CHUNK_ELEMENTS // self.config.vocab_size))
+            return ModelOutput(None, loss, aux_loss, None)
         logits_BTV = self.stream.decode(state, self.lm_head, stats)
         loss = None
         if targets_BT is not None:
@@ -200,6 +218,47 @@ class Transformer(nn.Module):
                 loss = loss.view_as(targets_BT)
             logits_BTV = None
         return ModelOutput(logits_BTV, loss, aux_loss, stats.as_dict() if stats is not None else None)
+
+
+def _token_rows(state, lo: int, hi: int):
+    """Tokens [lo, hi) of the flattened (B·T) state as a (1, hi - lo, ...) state (a tensor or a tuple of them)."""
+    if isinstance(state, torch.Tensor):
+        return state.reshape(1, -1, *state.shape[2:])[:, lo:hi]
+    return type(state)(*(t.reshape(1, -1, *t.shape[2:])[:, lo:hi] for t in state))
+
+
+def chunked_loss(stream, state, lm_head: nn.Module, targets_BT: torch.Tensor, reduction: str,
+                 chunk_tokens: int) -> torch.Tensor:
+    """Cross-entropy of the decoded state, `chunk_tokens` tokens at a time: each chunk's logits are made, scored
+    and dropped, and remade in the backward (activation checkpointing), so at most one chunk's fp32 logits
+    exist. Equal to the full computation: the sum over chunks / the count of scored targets ("mean"), or the
+    per-token losses ("none")."""
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    B, T = targets_BT.shape
+    N = B * T
+    w_VD = stream.decode_weight(lm_head)  # once, not per chunk
+    y_N = targets_BT.reshape(N)
+
+    def chunk(lo, hi, *tensors):
+        part = tensors[0] if isinstance(state, torch.Tensor) else type(state)(*tensors)
+        logits_NV = stream.decode_with(part, w_VD).flatten(0, 1)
+        return F.cross_entropy(logits_NV, y_N[lo:hi], ignore_index=IGNORE_INDEX,
+                               reduction="none" if reduction == "none" else "sum")
+
+    parts = []
+    for lo in range(0, N, chunk_tokens):
+        hi = min(N, lo + chunk_tokens)
+        rows = _token_rows(state, lo, hi)
+        rows = (rows,) if isinstance(rows, torch.Tensor) else tuple(rows)
+        if chunk_tokens >= N:  # one chunk: nothing to save by recomputing
+            parts.append(chunk(lo, hi, *rows))
+        else:
+            parts.append(torch.utils.checkpoint.checkpoint(functools.partial(chunk, lo, hi), *rows,
+                                                           use_reentrant=False))
+    if reduction == "none":
+        return torch.cat(parts).view(B, T)
+    return torch.stack(parts).sum() / (y_N != IGNORE_INDEX).sum()
 
 
 def build_model(model_cfg, seed: Optional[int] = None, device=None) -> Transformer:

@@ -64,13 +64,15 @@ class AllToAllDispatcher:
                                "routing counts; shard it with nagmoe.parallel.shard_experts")
         # 1. counts
         recv_PL = self.exchange_counts(counts_E)
-        send_sizes = counts_E.view(P, L).sum(1).tolist()
-        recv_sizes = recv_PL.sum(1).tolist()
+        # the layer's one host read (issue 26's EP budget): the all-to-all split sizes, both directions
+        send_sizes, recv_sizes = torch.stack([counts_E.view(P, L).sum(1).to(recv_PL.device),
+                                              recv_PL.sum(1)]).tolist()
         # 2. tokens out
         x_RD = funcol.all_to_all_single_autograd(x_SD.contiguous(), recv_sizes, send_sizes, self.group)
         # 3. local experts, rows grouped expert-major
         local_expert_R = torch.repeat_interleave(
-            torch.arange(L, device=x_SD.device).repeat(P), recv_PL.reshape(-1).to(x_SD.device))
+            torch.arange(L, device=x_SD.device).repeat(P), recv_PL.reshape(-1).to(x_SD.device),
+            output_size=sum(recv_sizes))
         order_R = torch.argsort(local_expert_R, stable=True)
         counts_L = recv_PL.sum(0).to(counts_E.device)
         if x_RD.shape[0] == 0:

@@ -154,6 +154,14 @@ class ParallelMesh:
             return [float(v) for v in values]
         return [v / self.world_size for v in self.all_reduce(values)]
 
+    def mean_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Element-wise mean over ranks of a tensor, on its own device (no host read)."""
+        if not self.distributed:
+            return t
+        buf = t.to(self._collective_device(), torch.float64)
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        return (buf / self.world_size).to(t.device, t.dtype)
+
     def any(self, flag: bool) -> bool:
         """True on every rank when it is true on one (all-reduce MAX)."""
         if not self.distributed:

@@ -20,7 +20,8 @@ Parts, in bytes per rank (N = tokens of one micro-batch on the rank, P = paralle
                     log-sum-exp, not the T x T matrix; `model.attention.impl=math` would save more). Eager and
                     full depth (MoD skipping and torch.compile only lower it: an upper bound for both).
   backward_transient  the fp32 logits' gradient and the loss's (2 x N x vocab x 4 bytes), the largest tensors the
-                    backward creates at once
+                    backward creates at once; with train.precision uniform the loss runs in chunks (at most
+                    LOSS_CHUNK_ELEMENTS logits each, recomputed in the backward): 3 x chunk x vocab x 4
   receive_worst     expert parallelism: dropless, one rank may receive every slot of all P sources (P·N·K rows
                     of x, the two hidden activations and y); with model.moe.capacity_factor f at most
                     P·L·ceil(f·N·K/E) rows. The balanced case (N·K rows) is inside `activations` already.
@@ -97,10 +98,17 @@ def _saved_bytes(model, idx_BT, autocast: bool) -> int:
 PROBE_TOKENS = (64, 128)
 
 
-def activation_bytes(model_cfg, tokens: int, device: str, checkpointing: bool = False) -> dict:
+def activation_bytes(model_cfg, tokens: int, device: str, checkpointing: bool = False,
+                     precision: str = "legacy") -> dict:
     """Saved activations of one micro-batch of `tokens` tokens (module docstring: measured on 1- and 2-block
-    copies at the real widths, at two token counts)."""
+    copies at the real widths, at two token counts). `precision` uniform with a micro-batch over one loss chunk
+    (nagmoe/model/transformer.py, LOSS_CHUNK_ELEMENTS): the probes chunk their loss too, so the logits are not
+    among the saved tensors, and the backward's transient is one chunk's logits, their gradient and softmax."""
     from nagmoe.model import build_model
+    from nagmoe.model.transformer import LOSS_CHUNK_ELEMENTS
+
+    chunk = max(1, LOSS_CHUNK_ELEMENTS // model_cfg.vocab_size)
+    chunked = precision == "uniform" and tokens > chunk
 
     saved = {}
     for n_layers in (1, 2):
@@ -109,6 +117,9 @@ def activation_bytes(model_cfg, tokens: int, device: str, checkpointing: bool = 
         cfg.mod.skip_rate = 0.0  # full depth: skipping only saves
         torch.manual_seed(0)
         model = build_model(cfg).train()
+        model.set_precision(precision)
+        if chunked:
+            model.loss_chunk_tokens = min(PROBE_TOKENS) // 4
         if checkpointing:
             from nagmoe.train.speed import enable_activation_checkpointing
 
@@ -129,7 +140,7 @@ def activation_bytes(model_cfg, tokens: int, device: str, checkpointing: bool = 
     L = model_cfg.n_layers
     return {"activations": int(tokens * (L * block_tok + rest_tok) + L * block_fwd + rest_fwd),
             "activations_per_token_block": block_tok, "activations_per_token_rest": rest_tok,
-            "backward_transient": 2 * tokens * model_cfg.vocab_size * 4}
+            "backward_transient": (3 * chunk if chunked else 2 * tokens) * model_cfg.vocab_size * 4}
 
 
 def receive_worst_bytes(model_cfg, tokens: int, ep: int, device: str) -> int:
@@ -160,7 +171,8 @@ def estimate_memory(cfg, ep: Optional[int] = None, micro_batch_tokens: Optional[
     params = parameter_bytes(cfg.model, ep, cfg.train.optimizer, device)
     out.update(params)
     out["ddp_buckets"] = params["replicated_bytes"] if world > 1 else 0
-    out.update(activation_bytes(cfg.model, rows * seq, device, getattr(cfg.train, "activation_checkpointing", False)))
+    out.update(activation_bytes(cfg.model, rows * seq, device, getattr(cfg.train, "activation_checkpointing", False),
+                                getattr(cfg.train, "precision", "legacy")))
     out["receive_worst"] = receive_worst_bytes(cfg.model, rows * seq, ep, device)
     out["runtime"] = CUDA_RUNTIME_BYTES if device == "cuda" else CPU_PROCESS_BYTES
     parts = ("parameters", "gradients", "ddp_buckets", "optimizer", "optimizer_workspace", "activations",

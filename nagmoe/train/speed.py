@@ -1,32 +1,92 @@
 """Speed and memory options of the training step: `train.compile` and `train.activation_checkpointing`.
 
-compile: `model.compile()` compiles the module's forward in place (parameter names, hence checkpoints, are
-    unchanged; DDP wraps the same module). Graph breaks, by design, where the step is data-dependent:
-      - MoE dispatch: the per-expert token counts go to the host (`counts_E.tolist()` in the loop backend,
-        the grouped offsets are on-device but the capacity-free shapes are data-dependent);
-      - MoD: the number of executed tokens per sublayer decides the gathered shapes (`select`);
-      - the inference cache (generation only).
-    Everything between those (attention, the NAG update and modulator, the dense MLP, the decode) compiles
-    into fused regions. The NAG update is also fused on its own by `model.nag.impl=compiled`.
+compile (`train.compile`: auto | true | false; auto = on for CUDA, off for CPU; `resolve_compile`): the unit
+    is the sublayer of a block (attention, MLP/MoE), compiled once per sublayer class and shared by every
+    block (`compile_model`): `torch.compile(Class.forward, dynamic=None)` called with the module as its first
+    argument, so parameters are graph inputs (dynamo inlines nn modules) and a 26-block model runs the same
+    one attention graph and one FFN graph 26 times. Nothing that differs per block reaches the guards: the
+    block index lives in the residual stream's loop (`stream.apply(index, ...)`, eager), NAG's gate
+    (`NAGGate.sublayer_number` is read only at init) and MoD's bookkeeping stay outside the unit. The stream
+    itself (pre-norm's norm and add, NAG's modulator and update) runs between the units: NAG's through
+    `model.nag.impl` (`compiled` on CUDA: its own fused regions, also index-free), the embedding, the decode
+    and the loss eagerly. Dynamic sizes:
+      - MoD's FFN runs on the gathered executed tokens `(1, N, D)`: N changes every step, so the first such
+        call recompiles once with N symbolic (`dynamic=None`, automatic dynamic shapes) and later steps reuse
+        that graph;
+      - MoD's attention (`select=`, python counts and per-slot key ends) and decoding with an inference cache
+        (`cache=`) run the sublayer eagerly: those python ints would otherwise be guarded and recompile per
+        step;
+      - the MoE's expert call stays in the graph only where it has no host read (the grouped backend,
+        `torch._grouped_mm` in bf16, no expert-parallel dispatcher); otherwise it runs eagerly between two
+        graphs (the loop backend's per-expert counts and the EP all-to-all's split sizes are python ints).
+    Training, evaluation (eval mode, no grad) and a smaller last batch each add a graph at most; the count
+    does not grow with depth or steps (tests/perf/test_compiled_blocks.py). Parameter names, hence
+    checkpoints, are unchanged: the compiled call is an instance attribute (`forward`), as the checkpointing
+    wrapper below.
+    With compile off on CUDA the trainer refuses a layout whose eager memory estimate (nagmoe.train.memory)
+    exceeds the device (`eager_memory_refusal`).
 activation checkpointing: every sublayer (attention, MLP/MoE) runs under non-reentrant
     `torch.utils.checkpoint` while training: its activations are recomputed in the backward instead of being
     kept, so the memory of a deep model is the stream (two lanes per sublayer) plus one sublayer's
     activations. The NAG update itself is not recomputed (its saved inputs are the stream lanes). Sublayers
     are deterministic given their input (the RNG state is restored for the recompute), and their
-    bookkeeping (`last_stats`) is overwritten with the same values, so results equal the plain step.
+    bookkeeping (`last_stats`) is overwritten with the same values, so results equal the plain step. With
+    compile on, the checkpoint wraps the compiled sublayer (the recompute runs the compiled forward again).
 """
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+COMPILE_SETTINGS = ("auto", "true", "false")
 
+
+def resolve_compile(setting, device_type: str) -> bool:
+    """`train.compile` for a device type: auto = on for CUDA (inductor + Triton), off for CPU (a cold inductor
+    compile costs minutes on a small CPU machine and gains little there); true / false as set (booleans and
+    their strings accepted, as old saved configs have them)."""
+    if isinstance(setting, bool):
+        return setting
+    value = str(setting).lower()
+    if value == "auto":
+        return device_type == "cuda"
+    if value in ("true", "false"):
+        return value == "true"
+    raise ValueError(f"train.compile: {setting!r} is not one of {', '.join(COMPILE_SETTINGS)}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sublayer forward: [checkpoint] -> [compiled unit | eager]
+# ----------------------------------------------------------------------------------------------------------
 def _checkpointed_forward(module: torch.nn.Module, forward, *args, **kwargs):
     if module.training and torch.is_grad_enabled():
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return forward(*args, **kwargs)  # eval, no_grad and decoding: nothing to save
+
+
+def _routed_forward(module: torch.nn.Module, compiled, eager, x, *args, **kwargs):
+    """The compiled unit for a plain call `sublayer(x)`; MoD's `select=` and decoding's `cache=` run eagerly
+    (module docstring)."""
+    if args or any(v is not None for v in kwargs.values()):
+        return eager(x, *args, **kwargs)
+    return compiled(module, x)
+
+
+def _install_forward(module: torch.nn.Module) -> None:
+    """Compose the instance's forward from its original one and the options set on it (`_compiled_forward`,
+    `_checkpointed`), whatever order they were enabled in."""
+    if "_nagmoe_base_forward" not in module.__dict__:
+        module._nagmoe_base_forward = module.forward  # the class's forward, bound (or an earlier instance one)
+    forward = module._nagmoe_base_forward
+    compiled = module.__dict__.get("_compiled_forward")
+    if compiled is not None:
+        forward = functools.partial(_routed_forward, module, compiled, forward)
+    if module.__dict__.get("_checkpointed", False):
+        forward = functools.partial(_checkpointed_forward, module, forward)
+    module.forward = forward
 
 
 def enable_activation_checkpointing(model) -> int:
@@ -36,12 +96,96 @@ def enable_activation_checkpointing(model) -> int:
     for sublayer in model.sublayers():
         if getattr(sublayer, "_checkpointed", False):
             continue
-        sublayer.forward = functools.partial(_checkpointed_forward, sublayer, sublayer.forward)
         sublayer._checkpointed = True
+        _install_forward(sublayer)
         wrapped += 1
     return wrapped
 
 
-def compile_model(model) -> None:
-    """Compile the model's forward in place (see the module docstring for the graph breaks)."""
-    model.compile(dynamic=None)
+# ----------------------------------------------------------------------------------------------------------
+# Compiled sublayers
+# ----------------------------------------------------------------------------------------------------------
+_COMPILED: dict = {}  # (sublayer class, backend) -> the compiled class forward, shared by every instance
+
+
+def _compiled_class_forward(cls, backend):
+    key = (cls, backend)
+    if key not in _COMPILED:
+        # dynamic=None: static shapes first; a size that changes (MoD's executed tokens, a short last eval
+        # batch) recompiles once as a symbolic size, then that graph serves every later size
+        _COMPILED[key] = torch.compile(cls.forward, dynamic=None, backend=backend)
+    return _COMPILED[key]
+
+
+def _experts_in_graph(layer, x_SD: torch.Tensor) -> bool:
+    """Whether the MoE's expert call can stay inside the compiled graph: no host read in it (module
+    docstring). Evaluated while tracing (the dtype under autocast is known then)."""
+    from nagmoe.ops.grouped_experts import _compute_dtype, grouped_mm_supports
+
+    if layer.dispatcher is not None or layer.backend != "grouped":
+        return False
+    return grouped_mm_supports(_compute_dtype(x_SD), x_SD.device.type, layer.w_in.shape[1], layer.w_in.shape[2])
+
+
+def _run_experts(layer, in_graph, eager, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling() and not _experts_in_graph(layer, x_SD):
+        return eager(x_SD, counts_E)  # a graph break: runs eagerly, the rest of the forward resumes compiled
+    return in_graph(x_SD, counts_E)
+
+
+def compile_model(model, backend="inductor") -> dict:
+    """Compile every sublayer of `model` (a Transformer) in place, one compiled forward per sublayer class
+    (module docstring). Idempotent; returns {"unit", "classes", "backend"} for the run's log. `backend`:
+    torch.compile's (tests count graphs with "eager" / "aot_eager")."""
+    classes = []
+    for sublayer in model.sublayers():
+        cls = type(sublayer)
+        if cls.__name__ not in classes:
+            classes.append(cls.__name__)
+        if "_compiled_forward" in sublayer.__dict__:
+            continue
+        if hasattr(sublayer, "run_experts") and hasattr(sublayer, "dispatcher"):  # a MoE layer
+            run = sublayer.run_experts
+            sublayer.run_experts = functools.partial(_run_experts, sublayer, run, torch.compiler.disable(run))
+        sublayer._compiled_forward = _compiled_class_forward(cls, backend)
+        _install_forward(sublayer)
+    return {"unit": "sublayer", "classes": classes, "backend": backend if isinstance(backend, str) else "custom"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What runs: SDPA backends; the eager layout's memory on CUDA
+# ----------------------------------------------------------------------------------------------------------
+def sdpa_backends(device_type: str) -> str:
+    """The SDPA kernels F.scaled_dot_product_attention may pick here: on CUDA the enabled ones of flash /
+    efficient / cudnn / math (torch.backends.cuda.*_sdp_enabled; SDPA takes the first that supports the
+    call's dtype, head dim and mask); on CPU its flash kernel or the math one (`math/cpu-flash`)."""
+    if device_type != "cuda":
+        return "math/cpu-flash"
+    flags = (("flash", "flash_sdp_enabled"), ("efficient", "mem_efficient_sdp_enabled"),
+             ("cudnn", "cudnn_sdp_enabled"), ("math", "math_sdp_enabled"))
+    enabled = [name for name, fn in flags if getattr(torch.backends.cuda, fn, lambda: False)()]
+    return "/".join(enabled) or "none enabled"
+
+
+def eager_memory_refusal(cfg, device_memory_bytes: int, ep: int, world_size: int) -> Optional[str]:
+    """The one-line refusal of a CUDA layout that runs eager (`train.compile` off on CUDA) and whose memory
+    estimate (nagmoe.train.memory.estimate_memory, the one estimator) exceeds `device_memory_bytes`; None when
+    it fits or when the blocks are compiled (the estimate is an eager upper bound). The micro-batch is the
+    trainer's: `train.micro_batch_tokens`, at most this rank's share of `train.batch_tokens`."""
+    if resolve_compile(cfg.train.compile, "cuda"):
+        return None
+    from nagmoe.train.memory import GIB, estimate_memory
+
+    t, seq = cfg.train, cfg.data.seq_len
+    rank_rows = max(1, t.batch_tokens // seq // max(1, world_size))
+    rows = min(rank_rows, t.micro_batch_tokens // seq) if t.micro_batch_tokens else rank_rows
+    tokens = max(1, rows) * seq
+    est = estimate_memory(cfg, ep=ep, micro_batch_tokens=tokens, device="cuda", world_size=world_size)
+    if est["total"] <= device_memory_bytes:
+        return None
+    biggest = max(est["parts"], key=lambda k: est[k])
+    return (f"train.compile={cfg.train.compile} (eager on CUDA): this layout needs about {est['total'] / GIB:.1f} "
+            f"GiB per rank (memory estimate at train.micro_batch_tokens={tokens}, parallel.ep={ep}, world size "
+            f"{world_size}; largest part {biggest} {est[biggest] / GIB:.1f} GiB) but the device has "
+            f"{device_memory_bytes / GIB:.1f} GiB: lower train.micro_batch_tokens, or set train.compile=true "
+            f"(or auto), or train.activation_checkpointing=true")

@@ -49,7 +49,8 @@ from nagmoe.train.guards import (
 from nagmoe.train.preemption import PreemptionWatch
 from nagmoe.checkpoint.run_dir import adopt_legacy_values, prepare_run_dir, write_run_info, write_summary
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
-from nagmoe.train.speed import compile_model, enable_activation_checkpointing
+from nagmoe.train.speed import (compile_model, eager_memory_refusal, enable_activation_checkpointing, resolve_compile,
+                                sdpa_backends)
 
 
 @dataclass
@@ -112,6 +113,12 @@ class Trainer:
             raise UserError(f"train.micro_batch_tokens: {self.micro_rows} rows per micro-step do not divide "
                             f"the {rank_rows} rows of this rank")
         self.accum = rank_rows // self.micro_rows
+        self.compiled = resolve_compile(t.compile, self.device.type)  # train.compile: auto = on for CUDA
+        if self.device.type == "cuda" and not self.compiled:  # eager on CUDA: refuse a layout that cannot fit
+            refusal = eager_memory_refusal(cfg, torch.cuda.get_device_properties(self.device).total_memory,
+                                           mesh.ep, world_size)
+            if refusal is not None:
+                raise UserError(refusal)
 
         self._check_data()
         # one trainer per run dir (nagmoe.checkpoint.lease), taken before anything in it is read or written
@@ -146,10 +153,12 @@ class Trainer:
             # generator: every EP layout and device starts from the same weights (nagmoe/model/init_rng.py)
             init_model(self.model, t.seed, self.device)
             self.model.set_mod_seq_len(cfg.data.seq_len)  # MoD's work weights: what the budget charges
+            self.model.set_precision(t.precision)  # one policy for both residual streams (docs/architecture.md)
+            if self.device.type == "cuda" and t.precision == "uniform":  # the fp32 matmuls left: TF32
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
             if getattr(t, "activation_checkpointing", False):  # nagmoe/train/speed.py
                 enable_activation_checkpointing(self.model)
-            if t.compile:
-                compile_model(self.model)
+            compiled = compile_model(self.model) if self.compiled else None  # nagmoe/train/speed.py
             self.expert_params = named_params(self.model, self.expert_names)
             self.shard_plan = expert_shard_plan(mesh, self.expert_names)
             # parallel.engine=deepspeed: ZeRO for the replicated parameters, our EP and AdamW for the experts
@@ -192,6 +201,12 @@ class Trainer:
                         else None)
             self.replicated_params = [p for n, p in self.model.named_parameters() if n not in set(self.expert_names)]
             self.backends = resolved_backends(self.model)
+            self.backends["compile"] = (f"{compiled['unit']}s ({', '.join(compiled['classes'])}), {compiled['backend']}"
+                                        if compiled else "off")
+            if any(v in ("sdpa", "flash") for k, v in self.backends.items() if k.endswith("Attention.impl")):
+                self.backends["sdpa"] = sdpa_backends(self.device.type)
+            self.backends["precision"] = t.precision + (", tf32" if torch.backends.cuda.matmul.allow_tf32 and
+                                                        self.device.type == "cuda" else "")
             if self.rank == 0:
                 write_run_info(run_dir, self.backends, str(self.device),
                                {"resumed_from": latest, "grad_accum": self.accum, "world_size": world_size,
@@ -313,7 +328,8 @@ class Trainer:
         self.optim.set_lr_multiplier(lr_mult)
         warm = injection_warmup(p.tokens, m.nag.warmup_tokens) if m.residual == "nag" else 1.0
         self.model.set_injection_warmup(warm)
-        loss_sum = aux_sum = 0.0
+        # the step's metrics stay on the device until one read after the optimizer step (issue 26)
+        loss_sum = aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         model = self.engine if self.engine is not None else self.ddp if self.ddp is not None else self.model
         self._step_router = RouterTelemetry()  # this step's routing, summed over its micro-batches
         for i in range(self.accum):
@@ -329,14 +345,18 @@ class Trainer:
                     self.engine.backward(out.loss + out.aux_loss, boundary=i == self.accum - 1)
                 else:
                     ((out.loss + out.aux_loss) / self.accum).backward()
-            loss_sum += out.loss.item()
-            aux_sum += out.aux_loss.item()
+            loss_sum = loss_sum + out.loss.detach().float()
+            aux_sum = aux_sum + out.aux_loss.detach().float()
         self._last_batch = (x, y)  # the guards re-run it (non-finite scan, gate statistics)
+        sums = torch.stack([loss_sum, aux_sum])
         if self.mesh.distributed:  # every rank takes the same guard decisions
-            loss_sum, aux_sum = self.mesh.mean([loss_sum, aux_sum])
+            sums = self.mesh.mean_tensor(sums)
+        worst_load = self._router_step()
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        if self.engine is not None and is_nonfinite(loss_sum + aux_sum, 0.0):  # before DeepSpeed's own step
-            self._nonfinite(loss_sum / self.accum, float("nan"), halt=True)
+        if self.engine is not None:  # DeepSpeed: the guard before its own step needs the loss first
+            loss_sum, aux_sum = sums.tolist()
+            if is_nonfinite(loss_sum + aux_sum, 0.0):
+                self._nonfinite(loss_sum / self.accum, float("nan"), halt=True)
         if self.engine is not None:  # clip by the global norm, ZeRO's and the experts' AdamW steps
             grad_norm = self.engine.step()
         elif self.expert_params:  # EP: expert gradients over their replicas, then the global norm
@@ -344,6 +364,12 @@ class Trainer:
             grad_norm = clip_grad_norm_(self.replicated_params, self.expert_params, max_norm, self.mesh)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        # the step's one metrics read: loss, aux loss, gradient norm, the worst expert load
+        values = torch.cat([sums.double(), torch.as_tensor(grad_norm, dtype=torch.float64, device=sums.device).view(1),
+                            (worst_load if worst_load is not None else torch.zeros(1, device=sums.device))
+                            .double().view(1).to(sums.device)]).tolist()
+        loss_sum, aux_sum, grad_norm = values[:3]
+        worst_load = values[3] if worst_load is not None else None
         # the non-finite guard: nothing non-finite reaches the weights or the optimizer state
         skipped = is_nonfinite(loss_sum + aux_sum, grad_norm)
         if skipped:  # halts (TrainingHalted, exit 3) unless train.nonfinite=skip
@@ -363,7 +389,8 @@ class Trainer:
             p.mod_account = self.mod_account.state
         guard = {"nonfinite_skipped": p.nonfinite_skipped} if t.nonfinite == "skip" else {}
         return {"loss": loss_sum / self.accum, "aux_loss": aux_sum / self.accum, "lr": t.lr_matrix * lr_mult,
-                "lr_mult": lr_mult, "grad_norm": float(grad_norm), "injection_warmup": warm, **mod, **guard}
+                "lr_mult": lr_mult, "grad_norm": grad_norm, "injection_warmup": warm,
+                "moe_max_over_mean": worst_load, **mod, **guard}
 
     def _nonfinite(self, loss: float, grad_norm, halt: bool = False) -> None:
         """The non-finite guard fired (nagmoe.train.guards): name where, then halt or count the skip.
@@ -401,13 +428,12 @@ class Trainer:
                                        t.gate_collapse_stop))
         return t.gate_collapse_stop
 
-    def _router_health(self, report: bool) -> tuple[Optional[float], Optional[dict]]:
-        """(worst layer's max/mean expert load of this optimizer step, summed over ranks (1 = balanced);
-        the per-layer router report of the steps since the last one (nagmoe.model.router_health) when
-        `report`). One all-reduce and one host read per step; the report adds one read at log steps."""
+    def _router_step(self) -> Optional[torch.Tensor]:
+        """This optimizer step's routing summed over ranks (one all-reduce) into the interval's telemetry; the
+        worst layer's max/mean expert load (1 = balanced) as a device tensor, read with the step's metrics."""
         step = self._step_router
         if step.empty:
-            return None, None
+            return None
         flat = step.flat()
         if self.mesh.distributed:
             import torch.distributed as dist
@@ -416,13 +442,17 @@ class Trainer:
         step = step.from_flat(flat)
         self._router_interval.add_tensors(step.counts_LE, step.entropy_L, step.tokens_L, step.dropped_L)
         counts = step.counts_LE
-        worst = float((counts.max(1).values / counts.mean(1).clamp_min(1e-9)).max())
-        if not report:
-            return worst, None
+        return (counts.max(1).values / counts.mean(1).clamp_min(1e-9)).max()
+
+    def _router_report(self) -> Optional[dict]:
+        """The per-layer router report of the steps since the last one (nagmoe.model.router_health); one host
+        read, at log steps only. None without MoE."""
+        if self._router_interval.empty:
+            return None
         health = self._router_interval.report(self.mesh.ep)
         health.pop("load")  # the L x E matrix stays out of every log line (nagmoe analyze has it)
         self._router_interval = RouterTelemetry()
-        return worst, health
+        return health
 
     def checkpoint(self) -> str:
         state = {"step": self.progress.step, "progress": self.progress.as_dict(),
@@ -467,9 +497,9 @@ class Trainer:
                 self.progress.wall_s = wall0 + time.perf_counter() - started
                 step, last = self.progress.step, self.should_stop()
                 logged = last or step % self.cfg.log.every == 0
-                worst_load, router = self._router_health(report=logged)
+                router = self._router_report() if logged else None
                 rec = {"step": step, "tokens": self.progress.tokens, "flops": self.progress.flops,
-                       **rec, "tokens_per_s": t.batch_tokens / dt, "moe_max_over_mean": worst_load,
+                       **rec, "tokens_per_s": t.batch_tokens / dt,
                        **({"router": router} if router is not None else {})}
                 gate_stop = self._gate_check(rec)  # the gate-collapse alarm: a warning and metrics fields
                 if last or (t.eval_every and step % t.eval_every == 0):

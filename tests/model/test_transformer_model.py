@@ -124,8 +124,10 @@ def test_injection_warmup_zero_turns_every_sublayer_off():
     tiny_model("prenorm").set_injection_warmup(0.5)  # a no-op for the baseline
 
 
-def test_nag_lanes_under_bf16_autocast():
+@pytest.mark.parametrize("precision,direction", [("uniform", torch.float32), ("legacy", torch.bfloat16)])
+def test_nag_lanes_under_bf16_autocast(precision, direction):
     model = tiny_model("nag")
+    model.set_precision(precision)  # train.precision: the direction lane fp32, or bf16 in legacy run dirs
     idx = _idx()
     seen = {}
     orig_apply = model.stream.apply
@@ -138,7 +140,7 @@ def test_nag_lanes_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(idx, _idx(seed=1))
         logits = model(idx).logits
-    assert set(seen.values()) == {(torch.float32, torch.bfloat16)}
+    assert set(seen.values()) == {(torch.float32, direction)}
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     out.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -67,7 +67,7 @@ class KernelCount:
         self.calls.append([])
 
 
-def muon_steps(overrides, distributed):
+def muon_steps(overrides, distributed, ns_dtype=None):
     """Build the model (the same seed everywhere), shard its experts on the mesh (distributed), run STEPS
     Muon steps on the synthetic gradients; parameters, momentum and kernel calls by step."""
     from nagmoe.model import build_model
@@ -82,7 +82,8 @@ def muon_steps(overrides, distributed):
     model = build_model(cfg.model)
     initial = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
     expert_names = shard_experts(model, mesh)
-    bundle = optim.build_optimizers(model, cfg.train, replication=muon_replication(mesh, expert_names))
+    bundle = optim.build_optimizers(model, cfg.train, ns_dtype=ns_dtype,
+                                    replication=muon_replication(mesh, expert_names))
     muon = bundle.by_kind["muon"]
     names = bundle.muon_param_names()
     table = dict(model.named_parameters())
@@ -156,6 +157,29 @@ def test_distributed_muon_equals_single_rank_muon(ranks, single):
         assert err <= FP32_RTOL, (name, err)
         np.testing.assert_allclose(got("params"), single["params"][name], rtol=FP32_RTOL, atol=0, err_msg=name)
         np.testing.assert_array_equal(got("momentum"), single["momentum"][name], err_msg=name)
+
+
+@pytest.mark.distributed
+def test_bf16_distributed_muon_is_within_the_bf16_tolerance_of_single_rank_muon(overrides):
+    """The GPU's numerics on CPU: Newton-Schulz in bf16 (CUDA's default) on 2 gloo ranks, DP 2, results sent in
+    bf16, against one process's bf16 Muon: each update within BF16_RTOL (relative Frobenius), both ranks
+    bitwise equal."""
+    from nagmoe.parallel.distributed_muon import BF16_RTOL
+
+    dp2 = [*overrides, "parallel.ep=1"]
+    single = muon_steps(dp2, False, torch.bfloat16)
+    ranks = run_on_ranks(muon_steps, 2, dp2, True, torch.bfloat16, timeout=120)
+    def matrices(result):  # matrices orthogonalised in the first step
+        return sum(batch for batch, _, _ in result["calls"][0])
+
+    assert "world" in ranks[0]["replication"]
+    assert matrices(ranks[0]) + matrices(ranks[1]) == matrices(single) > matrices(ranks[0]) > 0  # split
+    for name in single["muon_names"]:
+        want = single["params"][name] - single["initial"][name]
+        got = ranks[0]["params"][name] - ranks[0]["initial"][name]
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err <= BF16_RTOL, (name, err)
+        np.testing.assert_array_equal(ranks[1]["params"][name], ranks[0]["params"][name], err_msg=name)
 
 
 @pytest.mark.distributed

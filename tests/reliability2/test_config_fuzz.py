@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from nagmoe.config import (CHOICES, NON_NEGATIVE, POSITIVE, Config, ConfigError, config_from_dict, load_config,
                            to_dict)
+from nagmoe.schema import TRISTATE_KEYS
 from reliability2_helpers import ENV, REPO
 
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
@@ -60,10 +61,12 @@ def invalid_values(key: str, tp) -> st.SearchStrategy:
                     st.floats().filter(lambda f: not (math.isfinite(f) and f.is_integer()))]
     elif base is float:
         options += [st.booleans(), _words, st.sampled_from([math.nan, math.inf, -math.inf, "nan", "-inf", ".inf"])]
-    elif base is str:
+    elif base is str and key not in TRISTATE_KEYS:  # auto | true | false keys read YAML booleans
         options += [st.booleans()]
     if key in CHOICES:
-        options.append(st.text(max_size=8).filter(lambda s: s not in CHOICES[key]))
+        boolean = key in TRISTATE_KEYS
+        options.append(st.text(max_size=8).filter(
+            lambda s: s not in CHOICES[key] and not (boolean and s.lower() in BOOL_WORDS)))
     number = st.integers if base is int else (lambda **kw: st.floats(allow_nan=False, allow_infinity=False, **kw))
     if key in POSITIVE:
         options.append(number(max_value=0))

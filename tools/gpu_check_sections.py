@@ -1,0 +1,318 @@
+"""The sections of tools/gpu_check.sh: one process per section, its result written into RESULTS/bench.json as
+the section ends (an atomic rewrite), so a failing, killed or timed-out section leaves the others' results.
+
+    python tools/gpu_check_sections.py init    --out DIR --mode gpu|cpu
+    python tools/gpu_check_sections.py run     NAME --out DIR --work DIR --mode gpu|cpu
+    python tools/gpu_check_sections.py record  NAME --out DIR --status timeout --seconds S --error TEXT
+    python tools/gpu_check_sections.py summary --out DIR
+
+bench.json: {"mode", "date", "machine", "sections": {NAME: {"status": ok|failed|timeout|pending|running,
+"seconds", "result" and/or "error"}}}. `run` marks its section "running" first (a partial "result" may follow,
+e.g. after each training config), then ok or failed; `record` is the shell's word for a process that could
+not write its own end (killed at its time limit, crashed): it replaces only a missing or "running" status.
+GPU_CHECK_FAIL=NAME[,NAME] makes those sections fail at their start, GPU_CHECK_HANG=NAME[,NAME] makes them hang
+until the shell's limit kills them (the tests of this very recording).
+The training sections are in tools/gpu_check_train.py; this file holds the store and the short sections.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = "bench.json"
+OPEN = (None, "running")  # statuses `record` may replace
+HIDDEN = ("datasets", "wandb", "deepspeed")  # absent on the GPU machine; tools/gpu_check.sh hides them here too
+
+
+class SectionFailed(Exception):
+    """A section that has results to keep and still failed (e.g. one training config of three)."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The store
+# ----------------------------------------------------------------------------------------------------------
+def load(out: str) -> dict:
+    try:
+        with open(os.path.join(out, BENCH)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {"sections": {}}
+
+
+def save(out: str, data: dict) -> None:
+    path = os.path.join(out, BENCH)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, allow_nan=False, default=str)
+        f.write("\n")
+    os.replace(tmp, path)  # a reader (or a kill) never sees half a file
+
+
+def put(out: str, name: str, entry: dict, only_open: bool = False) -> bool:
+    data = load(out)
+    old = data["sections"].get(name, {})
+    if only_open and old.get("status") not in OPEN:
+        return False
+    data["sections"][name] = entry
+    save(out, data)
+    return True
+
+
+def finite(value):
+    """Strict JSON: NaN/inf become None (loss lists keep their length)."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {str(k): finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+class Ctx:
+    """What a section gets: the mode, the results folder, a scratch folder, and `partial` to keep results
+    written so far should the section be killed later."""
+
+    def __init__(self, name: str, mode: str, out: str, work: str):
+        self.name, self.mode, self.out, self.work, self.t0 = name, mode, out, work, time.time()
+
+    def note_machine(self, **info) -> None:
+        data = load(self.out)
+        data.setdefault("machine", {}).update(info)
+        save(self.out, data)
+
+    def partial(self, result: dict) -> None:
+        put(self.out, self.name, {"status": "running", "seconds": round(time.time() - self.t0, 1),
+                                  "result": finite(result)})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Short sections
+# ----------------------------------------------------------------------------------------------------------
+def section_install(ctx: Ctx) -> dict:
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", REPO]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    sys.stdout.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+    if proc.returncode:
+        raise RuntimeError(f"pip install exited {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}")
+    return {"command": " ".join(cmd[1:])}
+
+
+def section_env(ctx: Ctx) -> dict:
+    """The blocker is active, the package imports, and what this machine has."""
+    import importlib.util
+
+    for name in HIDDEN:
+        try:
+            __import__(name)
+        except ImportError:
+            continue
+        raise RuntimeError(f"{name} imported: the blocker of tools/gpu_check.sh is not active")
+    import torch
+
+    import nagmoe.flops  # noqa: F401 (import check)
+    import nagmoe.model  # noqa: F401
+    import nagmoe.ops.nag_fused  # noqa: F401
+    import nagmoe.train.trainer  # noqa: F401
+
+    cuda = torch.cuda.is_available()
+    ctx.note_machine(torch=torch.__version__, device=torch.cuda.get_device_name(0) if cuda else "cpu")
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
+            "triton": importlib.util.find_spec("triton") is not None, "hidden": list(HIDDEN)}
+
+
+def section_tests(ctx: Ctx) -> dict:
+    """The gpu-marked tests under tests/gpu/ (by path: collecting the whole suite costs more than they do)."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests/gpu/"],
+                          cwd=REPO, capture_output=True, text=True)
+    sys.stdout.write(proc.stdout[-6000:] + proc.stderr[-2000:])
+    lines = proc.stdout.strip().splitlines()
+    tail = lines[-1] if lines else ""
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|xfailed)", tail)}
+    if proc.returncode not in (0, 5):  # 5: nothing collected
+        raise SectionFailed(f"pytest tests/gpu/ exited {proc.returncode}: {tail}", {"summary": tail, **counts})
+    return {"summary": tail, **counts}
+
+
+def section_dcp(ctx: Ctx) -> dict:
+    """A DCP checkpoint written by this machine's torch, read back through the restricted unpickler; its
+    .metadata is kept beside bench.json (a fixture for the checkpoint tests of another torch)."""
+    import shutil
+
+    import torch
+
+    from nagmoe.checkpoint import load_checkpoint, save_checkpoint
+    from nagmoe.checkpoint.safe_dcp import read_metadata_file
+    from nagmoe.config import load_config
+    from nagmoe.model import build_model
+
+    cfg = load_config(os.path.join(REPO, "configs/tiny.yaml"),
+                      ["model.d_model=32", "model.n_layers=1", "model.vocab_size=256"])
+    model = build_model(cfg.model)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 256, (1, 16)), torch.randint(0, 256, (1, 16))).loss.backward()
+    optim.step()
+    path = save_checkpoint(os.path.join(ctx.work, "dcp"), 1, model, optim)
+    read_metadata_file(os.path.join(path, ".metadata"))
+    fresh = build_model(cfg.model)
+    load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters()), restore_rng=False)
+    kept = os.path.join(ctx.out, f"dcp-torch-{torch.__version__.split('+')[0]}.metadata")
+    shutil.copyfile(os.path.join(path, ".metadata"), kept)
+    return {"torch": torch.__version__, "metadata": os.path.basename(kept), "read_back": True}
+
+
+def section_mod_block(ctx: Ctx) -> dict:
+    """The MoD block benchmark's slot (issue 28 fills it): `tools/bench_mod.py --block --out FILE`, plus
+    `--smoke` in --cpu mode when the tool has it; its JSON is this section's result."""
+    source = open(os.path.join(REPO, "tools/bench_mod.py")).read()
+    if '"--block"' not in source:
+        return {"status": "pending", "reason": "tools/bench_mod.py --block not built yet (issue 28)"}
+    path = os.path.join(ctx.work, "mod_block.json")
+    cmd = [sys.executable, os.path.join(REPO, "tools/bench_mod.py"), "--block", "--out", path]
+    if ctx.mode == "cpu" and '"--smoke"' in source:
+        cmd.append("--smoke")
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    sys.stdout.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+    if proc.returncode:
+        raise RuntimeError(f"bench_mod.py --block exited {proc.returncode}: "
+                           f"{(proc.stderr.strip().splitlines() or [''])[-1]}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def sections() -> dict:
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import gpu_check_train as train
+
+    return {"install": section_install, "data": train.section_data, "train_r40": train.section_train,
+            "resume": train.section_resume, "mod_block": section_mod_block, "env": section_env,
+            "tests": section_tests, "dcp": section_dcp}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Commands
+# ----------------------------------------------------------------------------------------------------------
+def cmd_init(args) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    save(args.out, {"mode": args.mode, "date": now.isoformat(timespec="seconds"),
+                    "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                                "cpus": os.cpu_count()},
+                    "sections": {}})
+    return 0
+
+
+def cmd_run(args) -> int:
+    ctx = Ctx(args.name, args.mode, args.out, args.work)
+    put(args.out, args.name, {"status": "running"})
+    fail, hang = ({s.strip() for s in os.environ.get(v, "").split(",")} for v in ("GPU_CHECK_FAIL", "GPU_CHECK_HANG"))
+    if args.name in hang:  # until the shell's time limit kills it
+        time.sleep(3600)
+    entry = {}
+    try:
+        if args.name in fail:
+            raise RuntimeError(f"deliberate failure (GPU_CHECK_FAIL={os.environ['GPU_CHECK_FAIL']})")
+        result = sections()[args.name](ctx)
+        status = result.pop("status", "ok")
+        entry = {"status": status, **({"reason": result.pop("reason")} if "reason" in result else {}),
+                 **({"result": result} if result else {})}
+    except BaseException as e:  # noqa: BLE001 (every failure is recorded; KeyboardInterrupt too)
+        traceback.print_exc()
+        entry = {"status": "failed", "error": one_line(e),
+                 "traceback": traceback.format_exc().strip().splitlines()[-12:]}
+        old = load(args.out)["sections"].get(args.name, {})
+        result = getattr(e, "result", None) or old.get("result")  # what was kept so far
+        if result is not None:
+            entry["result"] = result
+    entry["seconds"] = round(time.time() - ctx.t0, 1)
+    put(args.out, args.name, finite(entry))
+    print(f"[gpu_check] {args.name}: {entry['status']}"
+          + (f": {entry['error']}" if "error" in entry else ""), file=sys.stderr)
+    return 0 if entry["status"] in ("ok", "pending") else 1
+
+
+def cmd_record(args) -> int:
+    old = load(args.out)["sections"].get(args.name, {})
+    entry = {"status": args.status, "seconds": args.seconds, "error": args.error}
+    if "result" in old:  # e.g. the configs a timed-out training section finished
+        entry["result"] = old["result"]
+    put(args.out, args.name, entry, only_open=True)
+    return 0
+
+
+def _fmt(v, spec=".3g"):
+    return "-" if v is None else format(v, spec)
+
+
+def cmd_summary(args) -> int:
+    data = load(args.out)
+    print(f"\n== summary ({data.get('mode')} mode): {os.path.join(args.out, BENCH)}")
+    for name, s in data["sections"].items():
+        note = s.get("error") or s.get("reason") or ""
+        print(f"{name:<10} {s.get('status', '?'):<8} {_fmt(s.get('seconds'), '.0f'):>4}s  {note[:110]}")
+    train = data["sections"].get("train_r40", {}).get("result", {})
+    configs = train.get("configs", {})
+    if configs:
+        print("\n| config | compile | tokens/s | step s | MFU 989T | MFU matmul | peak GiB | syncs/step | "
+              "loss first->last |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name, c in configs.items():
+            if "error" in c:
+                print(f"| {name} | failed: {c['error'][:80]} |")
+                continue
+            peak = c.get("peak_memory_bytes")
+            losses = c.get("losses") or [None]
+            print(f"| {name} | {c.get('compile')} | {_fmt(c.get('tokens_per_s'), '.0f')} | "
+                  f"{_fmt(c.get('step_s_median'), '.4f')} | {_fmt(c.get('mfu_vs_datasheet'), '.3f')} | "
+                  f"{_fmt(c.get('mfu_vs_measured_matmul'), '.3f')} | {_fmt(peak and peak / 2**30, '.1f')} | "
+                  f"{_fmt(c.get('syncs_per_step'), 'd')} | {_fmt(losses[0], '.3f')}->{_fmt(losses[-1], '.3f')} |")
+        print(f"NAG / baseline step time: {_fmt(train.get('nag_over_baseline_step_time'))}")
+        mod = train.get("mod") or {}
+        print(f"MoD: skip {_fmt(mod.get('skip_rate'))}, wall speed-up {_fmt(mod.get('wall_clock_speedup'))} vs "
+              f"charged-FLOP ratio {_fmt(mod.get('charged_flop_ratio'))}: gain share "
+              f"{_fmt(mod.get('gain_fraction_of_flop_gain'))}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("init", "run", "record", "summary"):
+        p = sub.add_parser(name)
+        p.add_argument("--out", required=True)
+        if name in ("run", "record"):
+            p.add_argument("name")
+        if name in ("init", "run"):
+            p.add_argument("--mode", choices=("gpu", "cpu"), required=True)
+        if name == "run":
+            p.add_argument("--work", required=True)
+        if name == "record":
+            p.add_argument("--status", choices=("timeout", "failed"), required=True)
+            p.add_argument("--seconds", type=float, required=True)
+            p.add_argument("--error", required=True)
+    args = ap.parse_args(argv)
+    return {"init": cmd_init, "run": cmd_run, "record": cmd_record, "summary": cmd_summary}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

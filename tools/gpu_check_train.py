@@ -1,0 +1,364 @@
+"""The training sections of tools/gpu_check.sh (run through tools/gpu_check_sections.py), all through the real
+`nagmoe.train.trainer.Trainer`:
+
+  data       script-made token shards (no network, no `datasets`): documents of phrases drawn from a Zipf-weighted
+             phrase bank whose ids are Zipf-distributed, so the loss falls within a few steps; a word-level
+             tokenizer.json of exactly the vocabulary (the trainer's bits-per-byte needs a real one).
+  train_r40  configs/paper/{baseline,nag,nag-mod20}-r40.yaml at parallel.ep=1 in ONE process (shared compile
+             caches), train.batch_tokens=65536, 10 steps driven one `train_step` at a time (no eval, no
+             checkpoint): per config tokens/s (median of the steady steps), MFU against the data sheet and
+             against a bf16 matmul measured here, peak memory beside the memory estimate, host syncs per step
+             (torch.cuda.set_sync_debug_mode("warn") over the last step; CPU: null), the losses; MoD's realised
+             skip rate and wall-clock speed-up against its FLOP gain; NAG / baseline step time.
+  resume     a 4-layer nag-mod20-r40: 4 steps straight, and 2 steps then a resume to 4 (run dirs, checkpoints
+             and metrics.jsonl as `nagmoe train` writes them): the per-step losses must match.
+`train.compile` is the config's; when compiling fails the config runs again eager, recorded as
+"eager fallback" with the error. --cpu mode: the same at tiny width (d_model 64, 2 layers, vocabulary 512).
+"""
+from __future__ import annotations
+
+import gc
+import math
+import os
+import shutil
+import statistics
+import time
+import traceback
+
+from gpu_check_sections import REPO, SectionFailed, one_line
+
+PAPER = {"baseline": "baseline-r40", "nag": "nag-r40", "nag_mod20": "nag-mod20-r40"}
+SIZES = {
+    "gpu": dict(vocab=32768, seq=2048, model=[], batch_tokens=65536, steps=10, timed_from=4,
+                data_tokens=1_500_000, eval_tokens=32768, matmul_n=8192, resume_steps=4, tolerance=2e-3),
+    "cpu": dict(vocab=512, seq=64, batch_tokens=512, micro_batch_tokens=256, steps=3, timed_from=2,
+                data_tokens=1 << 16, eval_tokens=512,
+                model=["model.d_model=64", "model.n_layers=2", "model.moe.expert_hidden=64",
+                       "model.attention.n_heads=4"], matmul_n=512, resume_steps=4, tolerance=1e-5),
+}
+# GPU: the paper's micro-batch (32768 tokens: 2 micro-steps per step); CPU: the same 2 micro-steps
+# injection warm-up: 2 steps on the GPU, 1 on CPU; MoD skips from then on (model.mod.start_tokens=0)
+WARMUP_STEPS = {"gpu": 2, "cpu": 1}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------------------------------
+def section_data(ctx) -> dict:
+    s = SIZES[ctx.mode]
+    return make_data(os.path.join(ctx.work, "data"), s["vocab"], s["data_tokens"])
+
+
+def make_data(root: str, vocab: int, n_tokens: int, seed: int = 0) -> dict:
+    import numpy as np
+    from tokenizers import Tokenizer, models
+
+    from nagmoe.data import shards
+    from nagmoe.data.tokenizer import BOS, file_sha256, save_tokenizer, token_dtype
+
+    shutil.rmtree(root, ignore_errors=True)
+    part = os.path.join(root, "stage", shards.part_dir_name(0, 1))
+    os.makedirs(part)
+    tok = Tokenizer(models.WordLevel({BOS: 0, **{f"t{i}": i for i in range(1, vocab)}}, unk_token=BOS))
+    tok.add_special_tokens([BOS])
+    tok_path = os.path.join(root, "stage", "tokenizer.json")
+    save_tokenizer(tok, tok_path)
+    rng = np.random.default_rng(seed)
+    zipf = 1.0 / np.arange(1, vocab) ** 1.1
+    ids = rng.permutation(np.arange(1, vocab))  # frequency rank -> token id
+    bank = [ids[rng.choice(vocab - 1, size=int(rng.integers(4, 17)), p=zipf / zipf.sum())] for _ in range(4096)]
+    bank_p = 1.0 / np.arange(1, len(bank) + 1)
+    bank_p /= bank_p.sum()
+    dtype = token_dtype(vocab)
+    writers = {sp: shards.ShardWriter(part, sp, dtype, 1 << 22) for sp in shards.SPLITS}
+    for split, n in (("train", n_tokens), ("val", max(n_tokens // 16, 8192))):
+        while writers[split].n_tokens < n:
+            doc = [np.zeros(1, dtype=dtype)] + [bank[i] for i in rng.choice(len(bank), size=256, p=bank_p)]
+            writers[split].add_document(np.concatenate(doc).astype(dtype))
+    meta = {"format": shards.FORMAT, "vocab_size": vocab, "dtype": dtype.name, "bos_id": 0,
+            "tokenizer_sha256": file_sha256(tok_path), "corpus": "gpu_check synthetic",
+            "documents": "Zipf phrases", "val_fraction": 1 / 17, "text_field": "text",
+            "totals": {sp: {"n_tokens": w.n_tokens, "n_documents": w.n_documents} for sp, w in writers.items()},
+            "shards": [r for sp in shards.SPLITS for r in writers[sp].close()]}
+    shards.write_json_atomic(os.path.join(part, shards.PART_INDEX), meta)
+    index = shards.merge_parts(os.path.join(root, "data"), [part], tok_path, verify=False)
+    return {"data_dir": os.path.join(root, "data"), "vocab_size": vocab, "totals": index["totals"]}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shared
+# ----------------------------------------------------------------------------------------------------------
+def overrides(ctx, s: dict) -> list[str]:
+    """The paper config at this check's size: script-made data, EP=1, no eval or checkpoint on the way, MoD from
+    the end of a short injection warm-up, and a 2-step LR warm-up so the loss falls within the few steps."""
+    return [*s["model"], f"model.vocab_size={s['vocab']}", f"model.max_seq_len={s['seq']}", f"data.seq_len={s['seq']}",
+            f"data.data_dir={os.path.join(ctx.work, 'data', 'data')}", "data.verify_shards=false", "parallel.ep=1",
+            f"train.batch_tokens={s['batch_tokens']}", "model.mod.start_tokens=0",
+            *([f"train.micro_batch_tokens={s['micro_batch_tokens']}"] if "micro_batch_tokens" in s else []),
+            f"model.nag.warmup_tokens={WARMUP_STEPS[ctx.mode] * s['batch_tokens']}", "train.warmup_steps=2",
+            "log.wandb=off", "train.eval_every=0", "train.checkpoint_every=0", f"train.eval_tokens={s['eval_tokens']}"]
+
+
+def load(name: str, extra: list[str]):
+    from nagmoe.config import load_config
+
+    return load_config(os.path.join(REPO, "configs", "paper", f"{name}.yaml"), extra)
+
+
+def compiles(cfg, device) -> bool:
+    from nagmoe.train.speed import resolve_compile  # the trainer's own reading of train.compile (auto: CUDA)
+
+    return resolve_compile(cfg.train.compile, device.type)
+
+
+def fresh_dir(ctx, name: str) -> str:
+    path = os.path.join(ctx.work, "runs", name)
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return path
+
+
+def free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def with_eager_fallback(cfg_for, run, device) -> dict:
+    """run(extra overrides, run-dir suffix) with the config's train.compile; if that compiles and fails, once
+    more eager (train.compile=false). cfg_for(extra) loads the config."""
+    if not compiles(cfg_for([]), device):
+        return {"compile": "off", **run([], "")}
+    try:
+        return {"compile": "on", **run([], "")}
+    except Exception as e:  # noqa: BLE001 (any failure under compile earns the eager try)
+        traceback.print_exc()
+        error = one_line(e)
+    import torch._dynamo
+
+    free_memory()
+    torch._dynamo.reset()
+    return {"compile": "eager fallback", "compile_error": error, **run(["train.compile=false"], "-eager")}
+
+
+def device_info():
+    import torch
+
+    from nagmoe.flops import peak_flops
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        return torch.device("cuda"), name, peak_flops(name) or 989e12  # H200 bf16 dense: 989 TFLOP/s
+    return torch.device("cpu"), "cpu", None
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_flops(device, n: int) -> dict:
+    """FLOP/s of an n^3 matmul (bf16 on CUDA, fp32 on CPU): the reachable peak of this machine."""
+    import torch
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    times = []
+    for i in range(13):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return {"n": n, "dtype": str(dtype), "flops_per_s": 2 * n ** 3 / statistics.median(times)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# train_r40
+# ----------------------------------------------------------------------------------------------------------
+def dynamo_counts() -> dict:
+    """Graphs dynamo compiled and graph breaks so far (recompiles show as more graphs)."""
+    from torch._dynamo.utils import counters
+
+    return {"unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def one_step(trainer) -> dict:
+    return trainer.train_step()  # the step's metrics (router load included) in one host read
+
+
+def counted_syncs(fn):
+    """(fn(), syncs, {file:line: count}): CUDA's sync debug mode warns once per synchronizing call."""
+    import warnings
+    from collections import Counter
+
+    import torch
+
+    sync(torch.device("cuda"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    hits = [w for w in caught if "synchroniz" in str(w.message)]
+    sites = Counter(f"{os.path.relpath(w.filename, REPO)}:{w.lineno}" for w in hits)
+    return out, len(hits), dict(sites.most_common(12))
+
+
+def train_config(cfg, run_dir: str, s: dict, device, matmul: float, peak) -> dict:
+    import torch
+
+    from nagmoe.flops import flops_per_token
+    from nagmoe.train.memory import estimate_memory
+    from nagmoe.train.trainer import Trainer
+
+    estimate = estimate_memory(cfg, ep=1, device=device.type)["total"]
+    free_memory()
+    before = torch.cuda.memory_allocated() if device.type == "cuda" else None  # what an earlier config left
+    trainer = Trainer(cfg, run_dir)  # not quiet: its device, backends and accumulation go to the log
+    rows, syncs, sites, dynamo0 = [], None, None, dynamo_counts()
+    try:
+        for i in range(s["steps"]):
+            flops0 = trainer.progress.flops
+            sync(device)
+            t0 = time.perf_counter()
+            if device.type == "cuda" and i == s["steps"] - 1:  # the last step: counted, not timed
+                rec, syncs, sites = counted_syncs(lambda: one_step(trainer))
+            else:
+                rec = one_step(trainer)
+            sync(device)
+            executed = rec.get("flops_executed")  # MoD: cumulative, as executed (padding included)
+            rows.append({"s": time.perf_counter() - t0, "loss": float(rec["loss"]),
+                         "charged": trainer.progress.flops - flops0,
+                         "executed": None if executed is None else executed - sum(r["executed"] for r in rows),
+                         "skip": rec.get("skip_rate"), "skip_tokens": rec.get("skip_rate_tokens"),
+                         "fractions": rec.get("executed_fractions")})
+    finally:
+        trainer.release_lease()
+    timed = rows[s["timed_from"] - 1: s["steps"] - (device.type == "cuda")]
+    step_s = statistics.median(r["s"] for r in timed)
+    bt, T = cfg.train.batch_tokens, cfg.data.seq_len
+    fractions = None
+    if timed[0]["fractions"] is not None:
+        fractions = [statistics.mean(f) for f in zip(*(r["fractions"] for r in timed))]
+    fpt = flops_per_token(cfg.model, T, fractions, "matmul")
+    achieved = fpt * bt / step_s
+    losses = [r["loss"] for r in rows]
+    out = {"backends": trainer.backends, "grad_accum": trainer.accum, "batch_tokens": bt,
+           "step_s": [r["s"] for r in rows], "timed_steps": [s["timed_from"], s["timed_from"] + len(timed) - 1],
+           "step_s_median": step_s, "tokens_per_s": bt / step_s, "train_flops_per_token_matmul": fpt,
+           "achieved_flops_per_s": achieved, "mfu_vs_datasheet": achieved / peak if peak else None,
+           "mfu_vs_measured_matmul": achieved / matmul,
+           "peak_memory_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+           "peak_reserved_bytes": torch.cuda.max_memory_reserved() if device.type == "cuda" else None,
+           "allocated_before_bytes": before,
+           "dynamo": {k: v - dynamo0[k] for k, v in dynamo_counts().items()},
+           "memory_estimate_bytes": estimate, "syncs_per_step": syncs, "sync_sites": sites, "losses": losses,
+           "loss_finite": all(math.isfinite(x) for x in losses), "loss_falling": losses[-1] < losses[0]}
+    if fractions is not None:  # MoD: what the trainer's accounting says the steady steps skipped and cost
+        conv = cfg.train.flop_convention
+        out["mod"] = {"skip_rate": statistics.mean(r["skip"] for r in timed),
+                      "skip_rate_tokens": statistics.mean(r["skip_tokens"] for r in timed),
+                      "executed_fractions": fractions, "flop_convention": conv,
+                      "full_depth_flops_per_token": flops_per_token(cfg.model, T, None, conv),
+                      "charged_flops_per_token": statistics.mean(r["charged"] / bt for r in timed),
+                      "executed_flops_per_token": statistics.mean(r["executed"] / bt for r in timed)}
+    return out
+
+
+def section_train(ctx) -> dict:
+    import torch
+
+    s = SIZES[ctx.mode]
+    device, name, peak = device_info()
+    matmul = matmul_flops(device, s["matmul_n"])
+    ctx.note_machine(torch=torch.__version__, device=name)
+    result = {"device": name, "torch": torch.__version__, "datasheet_peak_flops": peak, "matmul": matmul,
+              "steps": s["steps"], "overrides": overrides(ctx, s), "configs": {}}
+    for key, paper in PAPER.items():
+        started = time.time()
+        try:
+            def cfg_for(extra, paper=paper):
+                return load(paper, [*result["overrides"], *extra])
+
+            res = with_eager_fallback(cfg_for, lambda extra, suffix: train_config(
+                cfg_for(extra), fresh_dir(ctx, key + suffix), s, device, matmul["flops_per_s"], peak), device)
+        except Exception as e:  # noqa: BLE001 (one config's failure leaves the others' results)
+            traceback.print_exc()
+            res = {"error": one_line(e)}
+        result["configs"][key] = {"config": f"configs/paper/{paper}.yaml", "seconds": time.time() - started, **res}
+        print(f"{key}: {res.get('error') or {k: res.get(k) for k in ('compile', 'tokens_per_s', 'losses')}}",
+              flush=True)
+        free_memory()
+        ctx.partial(result)
+    c = result["configs"]
+    ok = {k: v for k, v in c.items() if "error" not in v}
+    if "nag" in ok and "baseline" in ok:
+        result["nag_over_baseline_step_time"] = ok["nag"]["step_s_median"] / ok["baseline"]["step_s_median"]
+    if "nag" in ok and "nag_mod20" in ok:
+        mod = ok["nag_mod20"]["mod"]
+        speedup = ok["nag"]["step_s_median"] / ok["nag_mod20"]["step_s_median"]
+        charged = mod["full_depth_flops_per_token"] / mod["charged_flops_per_token"]
+        result["mod"] = {"skip_rate": mod["skip_rate"], "wall_clock_speedup": speedup, "charged_flop_ratio": charged,
+                         "executed_flop_ratio": mod["full_depth_flops_per_token"] / mod["executed_flops_per_token"],
+                         "gain_fraction_of_flop_gain": (speedup - 1) / (charged - 1) if charged > 1 else None}
+    problems = [f"{k}: {v['error']}" for k, v in c.items() if "error" in v]
+    problems += [f"{k}: losses {'not finite' if not v['loss_finite'] else 'not falling'} {v['losses']}"
+                 for k, v in ok.items() if not (v["loss_finite"] and v["loss_falling"])]
+    if problems:
+        raise SectionFailed("; ".join(problems), result)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# resume
+# ----------------------------------------------------------------------------------------------------------
+def step_losses(run_dir: str) -> dict:
+    from nagmoe.train.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))}
+
+
+def resume_runs(ctx, cfg_for, n: int, suffix: str) -> dict:
+    from nagmoe.train.trainer import Trainer
+
+    straight, chained = fresh_dir(ctx, "straight" + suffix), fresh_dir(ctx, "chained" + suffix)
+    Trainer(cfg_for([f"train.max_steps={n}"]), straight, quiet=True).run()
+    Trainer(cfg_for([f"train.max_steps={n // 2}"]), chained, quiet=True).run()
+    free_memory()
+    resumed = Trainer(cfg_for([f"train.max_steps={n}"]), chained, quiet=True)
+    resumed_at = resumed.progress.step
+    resumed.run()
+    return {"resumed_at_step": resumed_at, "straight": step_losses(straight), "chained": step_losses(chained)}
+
+
+def section_resume(ctx) -> dict:
+    s = SIZES[ctx.mode]
+    device = device_info()[0]
+    n = s["resume_steps"]
+    base = [*overrides(ctx, s), "model.n_layers=4"]
+
+    def cfg_for(extra):
+        return load(PAPER["nag_mod20"], [*base, *extra])
+
+    res = with_eager_fallback(cfg_for, lambda extra, suffix: resume_runs(
+        ctx, lambda more: cfg_for([*extra, *more]), n, suffix), device)
+    a, b = res.pop("straight"), res.pop("chained")
+    rel = {step: abs(b[step] - a[step]) / max(abs(a[step]), 1e-12) for step in a if step in b}
+    after = [rel[k] for k in rel if k > res["resumed_at_step"]]
+    result = {**res, "config": "configs/paper/nag-mod20-r40.yaml + model.n_layers=4", "steps": n,
+              "losses_straight": [a[k] for k in sorted(a)], "losses_resumed": [b[k] for k in sorted(b)],
+              "max_rel_diff_before_resume": max((rel[k] for k in rel if k <= res["resumed_at_step"]), default=None),
+              "max_rel_diff_after_resume": max(after, default=None), "tolerance": s["tolerance"]}
+    if res["resumed_at_step"] != n // 2 or len(after) != n - n // 2 or max(after) > s["tolerance"]:
+        raise SectionFailed(f"resumed at step {res['resumed_at_step']}: losses {result['losses_resumed']} vs "
+                            f"straight {result['losses_straight']} (tolerance {s['tolerance']})", result)
+    return result
