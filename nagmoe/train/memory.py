@@ -30,7 +30,10 @@ Parts, in bytes per rank (N = tokens of one micro-batch on the rank, P = paralle
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import sys
 from typing import Optional
 
 import torch
@@ -76,8 +79,11 @@ def parameter_bytes(model_cfg, ep: int, optimizer: str, device: str) -> dict:
 
 
 def _saved_bytes(model, idx_BT, autocast: bool) -> int:
-    """Bytes autograd saves for one forward of `model` on `idx_BT`, each storage once (views share it)."""
+    """Bytes autograd saves for one forward of `model` on `idx_BT`, each storage once (views share it). A saved
+    parameter (a matmul's weight, fp32 without autocast) is not an activation: `parameters` counts it, and the
+    probe model holds every expert, a rank only its share."""
     seen = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t):
         try:
@@ -85,7 +91,8 @@ def _saved_bytes(model, idx_BT, autocast: bool) -> int:
             key, size = storage.data_ptr(), storage.nbytes()
         except (RuntimeError, NotImplementedError):
             key, size = id(t), t.numel() * t.element_size()
-        seen[key] = size
+        if key not in params:
+            seen[key] = size
         return t
 
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
@@ -93,6 +100,45 @@ def _saved_bytes(model, idx_BT, autocast: bool) -> int:
         out = model(idx_BT, idx_BT)
         del out
     return sum(seen.values())
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The CPU profiler prints its start and stop lines to fd 2 from C++: keep them out of the CLI's output."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _peak_bytes(model, idx_BT, autocast: bool) -> int:
+    """Peak of the bytes allocated during one forward + backward of `model` on `idx_BT` (the CPU allocator's
+    events under the profiler): saved activations plus what the ops hold at once (temporaries, the backward's
+    activation gradients). Gradients exist beforehand (zeros, as after the first micro-step), so accumulating
+    into them counts only the new gradient each accumulation makes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with ctx:
+            out = model(idx_BT, idx_BT)
+        (out.loss + out.aux_loss).backward()
+        del out
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    model.zero_grad(set_to_none=True)
+    return peak
 
 
 PROBE_TOKENS = (64, 128)
@@ -110,7 +156,7 @@ def activation_bytes(model_cfg, tokens: int, device: str, checkpointing: bool = 
     chunk = max(1, LOSS_CHUNK_ELEMENTS // model_cfg.vocab_size)
     chunked = precision == "uniform" and tokens > chunk
 
-    saved = {}
+    saved, working = {}, {}
     for n_layers in (1, 2):
         cfg = copy.deepcopy(model_cfg)
         cfg.n_layers = n_layers
@@ -127,6 +173,8 @@ def activation_bytes(model_cfg, tokens: int, device: str, checkpointing: bool = 
         for t in PROBE_TOKENS:
             idx = torch.randint(0, cfg.vocab_size, (1, t), generator=torch.Generator().manual_seed(0))
             saved[n_layers, t] = _saved_bytes(model, idx, autocast=device == "cuda")
+            if n_layers == 2:  # what the step holds beyond its saved tensors (one block's work at a time)
+                working[t] = max(0, _peak_bytes(model, idx, autocast=device == "cuda") - saved[n_layers, t])
         del model
     t1, t2 = PROBE_TOKENS
 
@@ -138,9 +186,14 @@ def activation_bytes(model_cfg, tokens: int, device: str, checkpointing: bool = 
     block_tok, block_fwd = max(0.0, tok2 - tok1), max(0.0, fwd2 - fwd1)
     rest_tok, rest_fwd = max(0.0, tok1 - block_tok), max(0.0, fwd1 - block_fwd)
     L = model_cfg.n_layers
+    # the working set beyond the saved tensors, linear in the tokens (it does not grow with depth); with a
+    # chunked loss the probes' chunks are small: one real chunk's logits, gradient and softmax come on top
+    work_tok = max(0.0, (working[t2] - working[t1]) / (t2 - t1))
+    work_fwd = max(0.0, working[t1] - work_tok * t1)
+    transient = tokens * work_tok + work_fwd + (3 * chunk * model_cfg.vocab_size * 4 if chunked else 0)
     return {"activations": int(tokens * (L * block_tok + rest_tok) + L * block_fwd + rest_fwd),
             "activations_per_token_block": block_tok, "activations_per_token_rest": rest_tok,
-            "backward_transient": (3 * chunk if chunked else 2 * tokens) * model_cfg.vocab_size * 4}
+            "backward_transient": int(transient)}
 
 
 def receive_worst_bytes(model_cfg, tokens: int, ep: int, device: str) -> int:
