@@ -151,12 +151,17 @@ class SyncCounter:
 # One micro-step of a config, and issue 26's budget for it
 # ----------------------------------------------------------------------------------------------------------
 def count_micro_step(cfg, device: str = "cpu", dtype: str = "bf16", batch_rows: int = 2, warm_steps: int = 2,
-                     seed: int = 0):
-    """(SyncCounter of one forward + backward, the model) for `cfg` on random tokens."""
+                     seed: int = 0, mesh=None):
+    """(SyncCounter of one forward + backward, the model) for `cfg` on random tokens; with a `mesh` (expert
+    parallelism, a process group already up) each rank keeps its experts and dispatches over the all-to-all."""
     from nagmoe.model import build_model
 
     torch.manual_seed(seed)
     model = build_model(cfg.model, device=device)
+    if mesh is not None:
+        from nagmoe.parallel.expert_parallel import shard_experts
+
+        shard_experts(model, mesh)
     model.set_mod_seq_len(cfg.data.seq_len)
     model.set_injection_warmup(1.0)
     gen = torch.Generator().manual_seed(seed)
