@@ -49,6 +49,7 @@ from nagmoe.train.guards import (
 from nagmoe.train.preemption import PreemptionWatch
 from nagmoe.checkpoint.run_dir import adopt_legacy_values, prepare_run_dir, write_run_info, write_summary
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
+from nagmoe.train.progress_log import ProgressLog
 from nagmoe.train.speed import (compile_model, eager_memory_refusal, enable_activation_checkpointing, resolve_compile,
                                 sdpa_backends)
 
@@ -477,12 +478,11 @@ class Trainer:
     def _run(self) -> dict:
         t = self.cfg.train
         metrics = MetricsWriter(self.run_dir) if self.rank == 0 else None
-        bar = None
+        progress_log = None  # a bar on a terminal, plain lines in a log file (nagmoe/train/progress_log.py)
         if not self.quiet and self.rank == 0:
-            from tqdm import tqdm
-
-            bar = tqdm(total=t.max_steps, initial=self.progress.step, unit="step", file=sys.stderr,
-                       dynamic_ncols=True, mininterval=1.0)
+            device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+            progress_log = ProgressLog(t.max_steps, self.progress.step, device_name, self.world_size,
+                                       self.cfg.log.every)
         val_bpb = None
         started = time.perf_counter()
         wall0 = self.progress.wall_s
@@ -492,6 +492,7 @@ class Trainer:
                 if preemption.requested():  # all ranks agree; checkpoint, marker, raise Preempted (exit 75)
                     preemption.stop(self.checkpoint, self.progress.step)
                 t0 = time.perf_counter()
+                flops_before = self.progress.flops
                 rec = self.train_step()
                 dt = time.perf_counter() - t0
                 self.progress.wall_s = wall0 + time.perf_counter() - started
@@ -508,10 +509,8 @@ class Trainer:
                     metrics.write(rec)
                 if self.wandb is not None:
                     self.wandb.log({k: v for k, v in rec.items() if v is not None}, step=step)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", bpb=f"{val_bpb:.3f}" if val_bpb else "-",
-                                    tok_s=f"{rec['tokens_per_s']:.0f}")
+                if progress_log is not None:
+                    progress_log.update(rec, self.progress.flops - flops_before, dt, last, val_bpb)
                 if last or gate_stop or (t.checkpoint_every and step % t.checkpoint_every == 0):
                     self.checkpoint()
                 if gate_stop:
@@ -521,8 +520,8 @@ class Trainer:
                 val_bpb = self.evaluate()
         finally:
             preemption.uninstall()
-            if bar is not None:
-                bar.close()
+            if progress_log is not None:
+                progress_log.close()
             if metrics is not None:
                 metrics.close()
         summary = {"val_bpb": val_bpb, "steps": self.progress.step, "tokens": self.progress.tokens,
