@@ -187,7 +187,7 @@ class ParallelConfig:
 
 @dataclass
 class LogConfig:
-    wandb: str = "off"  # off | offline | online
+    wandb: str = "off"  # off | offline | online | auto (online when credentials exist and the service answers)
     project: str = "nagmoe"
     every: int = 1
     stats_every: int = 0  # depth statistics every N steps (0 = off)
@@ -219,7 +219,7 @@ CHOICES = {
     "train.flop_convention": ("matmul", "non_embedding"),
     "train.nonfinite": ("halt", "skip"),
     "parallel.engine": ("torch", "deepspeed"),
-    "log.wandb": ("off", "offline", "online"),
+    "log.wandb": ("off", "offline", "online", "auto"),
 }
 
 # Sizes that must be > 0 when set.
@@ -254,7 +254,8 @@ LEGACY_VALUES = {
     "train.precision": "legacy",
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract.
-RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every")
+RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every",
+                  "train.keep_checkpoints", "log.wandb")  # logging and checkpoint keeping: switchable mid-run
 # Keys of the parallel layout that may change too (issue 25): the torch engine reshards a checkpoint on load
 # (nagmoe.checkpoint.torch_layout), so a run resumes on another world size, EP degree or micro-batch; the
 # global batch (train.batch_tokens) may not change. train.compile (issue 26) changes how the step runs, not

@@ -243,15 +243,22 @@ class Trainer:
         check_data_vocab(d, self.cfg.model.vocab_size)
 
     def _init_wandb(self):
-        mode = self.cfg.log.wandb
-        if mode == "off" or self.rank != 0:
+        setting = self.cfg.log.wandb
+        if setting == "off" or self.rank != 0:
             return None
         try:
             import wandb
         except ImportError:
-            raise UserError(f"log.wandb={mode} needs wandb: pip install 'nagmoe[wandb]'") from None
+            if setting == "auto":  # auto never stops a run: no logger where wandb is not installed
+                warn("log.wandb=auto: wandb is not installed; logging to metrics.jsonl only")
+                return None
+            raise UserError(f"log.wandb={setting} needs wandb: pip install 'nagmoe[wandb]'") from None
         from nagmoe.config import to_dict
+        from nagmoe.train.wandb_mode import resolve_wandb_mode, sync_hint
 
+        mode, why_offline = resolve_wandb_mode(setting)  # auto: online only with credentials and an answer
+        if why_offline is not None:
+            warn(f"log.wandb=auto: offline ({why_offline}); upload later with: {sync_hint(self.run_dir)}")
         return wandb.init(mode=mode, dir=self.run_dir, project=self.cfg.log.project,
                           name=os.path.basename(os.path.abspath(self.run_dir)), config=to_dict(self.cfg),
                           resume="allow", id=os.path.basename(os.path.abspath(self.run_dir)))

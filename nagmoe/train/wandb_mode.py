@@ -1,0 +1,57 @@
+"""`log.wandb: auto` (issue 27; the paper configs' setting): a compute node without network must never hang or
+fail a run because of its logger. Online only when credentials exist (WANDB_API_KEY, or a ~/.netrc entry for
+the service's host) and the service answers an HTTP request within `timeout_s`; otherwise offline, with the
+command that uploads the run later. `off`, `offline` and `online` are taken as set.
+"""
+from __future__ import annotations
+
+import netrc
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Optional
+
+DEFAULT_BASE_URL = "https://api.wandb.ai"
+PROBE_TIMEOUT_S = 3.0
+
+
+def base_url() -> str:
+    return os.environ.get("WANDB_BASE_URL", DEFAULT_BASE_URL).rstrip("/")
+
+
+def has_credentials(url: str) -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urllib.parse.urlparse(url).hostname or ""
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def service_answers(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Any HTTP response (an error status too) within the timeout: the service is reachable."""
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=timeout_s):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError, ValueError):  # refused, unresolvable, timed out
+        return False
+
+
+def resolve_wandb_mode(setting: str, timeout_s: float = PROBE_TIMEOUT_S) -> tuple[str, Optional[str]]:
+    """(the mode wandb runs in, why `auto` chose offline or None)."""
+    if setting != "auto":
+        return setting, None
+    url = base_url()
+    if not has_credentials(url):
+        return "offline", "no wandb credentials (WANDB_API_KEY or ~/.netrc)"
+    if not service_answers(url, timeout_s):
+        return "offline", f"{url} did not answer within {timeout_s:.0f} s"
+    return "online", None
+
+
+def sync_hint(run_dir: str) -> str:
+    return f"wandb sync {os.path.join(os.path.abspath(run_dir), 'wandb', 'offline-run-*')}"
