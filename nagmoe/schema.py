@@ -160,7 +160,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     checkpoint_every: int = 0  # 0 = only at the end
+    checkpoint_every_minutes: Optional[float] = None  # also save when this much wall time passed (rank 0's clock)
     keep_checkpoints: int = 2
+    keep_milestone_every_tokens: Optional[int] = None  # also save each time this many tokens pass; never pruned
     eval_every: int = 0  # 0 = only at the end
     eval_tokens: int = 65536
     seed: int = 0
@@ -231,7 +233,8 @@ POSITIVE = (
     "model.moe.n_experts", "model.moe.top_k", "model.moe.expert_hidden", "model.nag.C",
     "data.seq_len", "data.num_proc", "data.shard_tokens",
     "train.batch_tokens", "train.micro_batch_tokens", "train.max_steps", "train.flop_budget",
-    "train.schedule_steps", "train.keep_checkpoints", "train.eval_tokens",
+    "train.schedule_steps", "train.keep_checkpoints", "train.eval_tokens", "train.checkpoint_every_minutes",
+    "train.keep_milestone_every_tokens",
     "parallel.ep", "log.every", "model.attention.rope_base", "model.nag.eps", "model.nag.gain_floor",
     "model.init_std",
 )
@@ -255,7 +258,8 @@ LEGACY_VALUES = {
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract.
 RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every",
-                  "train.keep_checkpoints", "log.wandb")  # logging and checkpoint keeping: switchable mid-run
+                  "train.keep_checkpoints", "log.wandb", "train.checkpoint_every_minutes",
+                  "train.keep_milestone_every_tokens")  # logging and checkpoint timing/keeping: switchable mid-run
 # Keys of the parallel layout that may change too (issue 25): the torch engine reshards a checkpoint on load
 # (nagmoe.checkpoint.torch_layout), so a run resumes on another world size, EP degree or micro-batch; the
 # global batch (train.batch_tokens) may not change. train.compile (issue 26) changes how the step runs, not

@@ -9,6 +9,7 @@ that looks like a checkpoint). Rank 0 alone runs this; the engines call it betwe
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -35,17 +36,34 @@ def remove_dir(path: str, tag: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def prune(root: str, run_dir: str, new_step: int, keep: int, tag: str) -> None:
-    """Keep the `keep` newest checkpoints up to `new_step`; later ones belong to an abandoned timeline (the
-    run resumed from an earlier step, so they were invalid or not chosen) and would shadow the new one."""
-    published = list_checkpoints(run_dir)
-    older = [(s, p) for s, p in published if s <= new_step]
-    doomed = [p for s, p in published if s > new_step] + [p for _, p in older[:-keep]]
-    for path in doomed:
-        remove_dir(path, tag)
-    for name in os.listdir(root):  # leftovers of crashed saves or deletes
+def is_milestone(path: str) -> bool:
+    """A checkpoint saved as a milestone (`train.keep_milestone_every_tokens`): never pruned."""
+    try:
+        with open(os.path.join(path, STATE)) as f:
+            return bool(json.load(f).get("extra", {}).get("milestone", False))
+    except (OSError, ValueError):
+        return False
+
+
+def remove_leftovers(root: str) -> None:
+    """Directories of crashed or failed saves and deletes (never a published checkpoint)."""
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
         if ".tmp-" in name or ".del-" in name:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def prune(root: str, run_dir: str, new_step: int, keep: int, tag: str) -> None:
+    """Keep the `keep` newest checkpoints up to `new_step`, and every milestone up to it; later ones belong to
+    an abandoned timeline (the run resumed from an earlier step, so they were invalid or not chosen) and would
+    shadow the new one."""
+    published = list_checkpoints(run_dir)
+    older = [(s, p) for s, p in published if s <= new_step]
+    doomed = [p for s, p in published if s > new_step] + [p for _, p in older[:-keep] if not is_milestone(p)]
+    for path in doomed:
+        remove_dir(path, tag)
+    remove_leftovers(root)
 
 
 def publish(tmp: str, final: str, run_dir: str, state: dict, keep: int, tag: str) -> None:

@@ -49,6 +49,7 @@ from nagmoe.train.guards import (
 from nagmoe.train.preemption import PreemptionWatch
 from nagmoe.checkpoint.run_dir import adopt_legacy_values, prepare_run_dir, write_run_info, write_summary
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
+from nagmoe.train.checkpoint_schedule import CheckpointSchedule, save_error
 from nagmoe.train.progress_log import ProgressLog
 from nagmoe.train.speed import (compile_model, eager_memory_refusal, enable_activation_checkpointing, resolve_compile,
                                 sdpa_backends)
@@ -462,17 +463,40 @@ class Trainer:
         self._router_interval = RouterTelemetry()
         return health
 
-    def checkpoint(self) -> str:
-        state = {"step": self.progress.step, "progress": self.progress.as_dict(),
-                 "loader": self.loader.state_dict()}
+    def checkpoint_schedule(self) -> CheckpointSchedule:
+        """When to save and what a failed save does (nagmoe/train/checkpoint_schedule.py); `self.clock` (a
+        test's fake clock) drives the time-based saves."""
+        if getattr(self, "_schedule", None) is None:
+            self._schedule = CheckpointSchedule(self.cfg.train, self.mesh, self.run_dir, self.progress.tokens,
+                                                getattr(self, "clock", time.monotonic))
+        return self._schedule
+
+    def checkpoint(self, milestone: bool = False, fatal: bool = True) -> Optional[str]:
+        """Save this step (collective). A save refused for lack of disk space, or failing with an I/O error,
+        keeps the previous checkpoints and returns None with a one-line warning, unless `fatal` (the last
+        step, a preemption): then it raises that line as a UserError (exit 2)."""
+        schedule, step = self.checkpoint_schedule(), self.progress.step
+        state = {"step": step, "progress": self.progress.as_dict(), "loader": self.loader.state_dict(),
+                 **({"milestone": True} if milestone else {})}
+        refusal = schedule.disk_refusal()
+        if refusal is not None:
+            schedule.failed(step, refusal, fatal)
+            return None
         started = time.perf_counter()
-        if self.engine is not None:
-            path = self.engine.save_checkpoint(self.run_dir, self.progress.step, state,
-                                               keep=self.cfg.train.keep_checkpoints)
-        else:
-            path = save_checkpoint(self.run_dir, self.progress.step, self.model, self.optim, state,
-                                   keep=self.cfg.train.keep_checkpoints, shard_plan=self.shard_plan)
-        self._log(f"checkpoint {path} in {time.perf_counter() - started:.1f} s")
+        try:
+            if self.engine is not None:
+                path = self.engine.save_checkpoint(self.run_dir, step, state, keep=self.cfg.train.keep_checkpoints)
+            else:
+                path = save_checkpoint(self.run_dir, step, self.model, self.optim, state,
+                                       keep=self.cfg.train.keep_checkpoints, shard_plan=self.shard_plan)
+        except BaseException as e:  # DCP raises CheckpointException (a BaseException) for any rank's failure
+            reason = save_error(e)
+            if reason is None:
+                raise
+            schedule.failed(step, reason, fatal)
+            return None
+        schedule.saved(self.progress.tokens)
+        self._log(f"checkpoint {path}{' (milestone)' if milestone else ''} in {time.perf_counter() - started:.1f} s")
         return path
 
     def run(self) -> dict:
@@ -491,6 +515,8 @@ class Trainer:
             progress_log = ProgressLog(t.max_steps, self.progress.step, device_name, self.world_size,
                                        self.cfg.log.every)
         val_bpb = None
+        self._schedule = None
+        self.checkpoint_schedule()  # time-based saves count from here
         started = time.perf_counter()
         wall0 = self.progress.wall_s
         preemption = PreemptionWatch(self.run_dir, self.rank).install()  # SIGUSR1/SIGTERM or a request file
@@ -518,8 +544,9 @@ class Trainer:
                     self.wandb.log({k: v for k, v in rec.items() if v is not None}, step=step)
                 if progress_log is not None:
                     progress_log.update(rec, self.progress.flops - flops_before, dt, last, val_bpb)
-                if last or gate_stop or (t.checkpoint_every and step % t.checkpoint_every == 0):
-                    self.checkpoint()
+                save, milestone = self.checkpoint_schedule().due(step, self.progress.tokens, last or gate_stop)
+                if save:  # steps, minutes (rank 0's clock), milestones, the last step
+                    self.checkpoint(milestone, fatal=last or gate_stop)
                 if gate_stop:
                     raise TrainingHalted(f"stopped by the gate-collapse alarm at step {step} (checkpoint "
                                          "written)", EXIT_GATE_COLLAPSE)

@@ -1,0 +1,105 @@
+"""When the trainer saves, and what it does when a save cannot be written (issue 27).
+
+Saves are due (any of):
+  * every `train.checkpoint_every` steps, and at the last step (as before);
+  * `train.checkpoint_every_minutes` of wall time since the last save or the start, on rank 0's clock: rank 0
+    decides and every rank follows (one all-reduce per step, only when the key is set), so ranks whose clocks
+    disagree still save together;
+  * a milestone: each time the run's tokens pass a multiple of `train.keep_milestone_every_tokens`. A
+    milestone is marked in its state.json (`extra.milestone`) and never pruned, so the depth analysis has
+    checkpoints through training (nagmoe.checkpoint.publish.prune).
+
+Before a save rank 0 compares the free space of the run dir's file system with the newest checkpoint's size
+(x1.1) and every rank follows its decision. A save that is refused, or fails with an OSError (ENOSPC,
+EIO, ...; DCP reports it from any rank to all), leaves the previous checkpoints as they were, removes its
+partial directory and says so in one line; training continues. At the last step (or a preemption) there is
+nothing to continue: the run stops with that line (exit 2), its previous checkpoint intact.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Callable, Optional
+
+from nagmoe.checkpoint.files import CHECKPOINTS, list_checkpoints
+from nagmoe.checkpoint.publish import remove_leftovers
+from nagmoe.errors import UserError
+from nagmoe.train.guards import warn
+
+DISK_MARGIN = 1.1  # free space needed: the newest checkpoint's size times this
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+class CheckpointSchedule:
+    def __init__(self, train_cfg, mesh, run_dir: str, tokens: int, clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.mesh, self.run_dir, self.clock = train_cfg, mesh, run_dir, clock
+        self.last_save = clock()
+        every = train_cfg.keep_milestone_every_tokens
+        self.milestone_index = tokens // every if every else 0
+
+    def _clock_due(self) -> bool:
+        minutes = self.cfg.checkpoint_every_minutes
+        if not minutes:
+            return False
+        due = self.mesh.rank == 0 and self.clock() - self.last_save >= 60.0 * minutes
+        return self.mesh.any(due) if self.mesh.distributed else due  # rank 0's decision everywhere
+
+    def is_milestone(self, tokens: int) -> bool:
+        every = self.cfg.keep_milestone_every_tokens
+        return bool(every) and tokens // every > self.milestone_index
+
+    def due(self, step: int, tokens: int, last: bool) -> tuple[bool, bool]:
+        """(save now, as a milestone) after optimizer step `step` with `tokens` seen."""
+        milestone = self.is_milestone(tokens)
+        every = self.cfg.checkpoint_every
+        clock = self._clock_due()  # every rank calls it every step (a collective when distributed)
+        return last or milestone or clock or bool(every and step % every == 0), milestone
+
+    def saved(self, tokens: int) -> None:
+        self.last_save = self.clock()
+        every = self.cfg.keep_milestone_every_tokens
+        if every:
+            self.milestone_index = tokens // every
+
+    # --------------------------------------------------------------------------------------------------
+    def disk_refusal(self) -> Optional[str]:
+        """Why the next save would not fit (rank 0 measures, every rank gets the same answer), or None."""
+        reason = None
+        if self.mesh.rank == 0:
+            published = list_checkpoints(self.run_dir)
+            needed = int(DISK_MARGIN * dir_bytes(published[-1][1])) if published else 0
+            free = shutil.disk_usage(self.run_dir).free
+            if free < needed:
+                reason = f"{free / 2**30:.2f} GiB free, the last checkpoint took {needed / DISK_MARGIN / 2**30:.2f} GiB"
+        if self.mesh.distributed:
+            reason = self.mesh.broadcast(reason)
+        return reason
+
+    def failed(self, step: int, reason: str, fatal: bool) -> None:
+        """A save at `step` was refused or failed: clean up, keep the previous checkpoints, say so."""
+        if self.mesh.rank == 0:
+            remove_leftovers(os.path.join(self.run_dir, CHECKPOINTS))
+        published = list_checkpoints(self.run_dir)
+        kept = os.path.basename(published[-1][1]) if published else "none"
+        message = f"checkpoint at step {step} not written ({reason}); newest checkpoint kept: {kept}"
+        if fatal:
+            raise UserError(message)
+        if self.mesh.rank == 0:
+            warn(f"{message}; training continues")
+
+
+def save_error(exc: BaseException) -> Optional[str]:
+    """The one-line reason of a failed save, or None when `exc` is not an I/O failure (then it propagates)."""
+    if isinstance(exc, OSError):
+        return f"{type(exc).__name__}: {exc.strerror or exc}"
+    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    if isinstance(failures, dict):
+        for wrapped in failures.values():
+            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            if isinstance(inner, OSError):
+                return f"{type(inner).__name__}: {inner.strerror or inner}"
+    return None
