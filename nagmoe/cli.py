@@ -23,6 +23,7 @@ COMMANDS = {
     "report": ("report", "compare run dirs in an HTML report"),
     "generate": ("generate", "sample from a trained run"),
     "launch": ("launch", "launch on a cluster (slurm)"),
+    "preflight": ("preflight", "one rank's part of a preflight job (nagmoe launch slurm --preflight)"),
     "bench": ("bench", "benchmarks (ratios, written as JSON)"),
     "consolidate": ("consolidate", "one single-file checkpoint (RUN_DIR/consolidated.pt) from a sharded run"),
 }

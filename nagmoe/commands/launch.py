@@ -43,6 +43,10 @@ def add_arguments(p):
     s.add_argument("--array", type=int, default=None, metavar="N",
                    help="data preparation instead of training: N corpus slices as a job array + merge")
     mode = s.add_mutually_exclusive_group()
+    s.add_argument("--preflight", action="store_true",
+                   help="a short job at this layout instead of the run: bandwidth, steps, save/resume, memory "
+                        "vs the estimate (in RUN_DIR/preflight; CPU mode checks the estimate against --gpu-memory)")
+    s.add_argument("--preflight-steps", type=int, default=3, metavar="N")
     mode.add_argument("--dry-run", action="store_true", help="print the script(s); write and submit nothing")
     mode.add_argument("--submit", action="store_true", help="write and submit with sbatch")
 
@@ -81,6 +85,8 @@ def run(args) -> int:
                         "--procs-per-node K for CPU ranks")
     run_dir = os.path.abspath(args.run_dir or os.path.join("runs", _config_stem(args.config)))
     config_yaml = dump_yaml(cfg)
+    if args.preflight:
+        return _run_preflight(args, opts, cfg, run_dir, config_yaml)
     slurm.check_resume_config(run_dir, config_yaml, args.force)
     script = slurm.render_train_script(opts, run_dir, force=args.force)
     if args.dry_run:
@@ -97,6 +103,28 @@ def run(args) -> int:
     log = os.path.join(run_dir, slurm.SLURM_DIR, f"slurm-{job}.out")
     print(f"submitted job {job}: {opts.nodes} node(s) x {opts.procs_per_node} rank(s); run dir {run_dir}; "
           f"log {log}")
+    return 0
+
+
+def _run_preflight(args, opts, cfg, run_dir: str, config_yaml: str) -> int:
+    from nagmoe.launch import slurm
+
+    if args.preflight_steps < 1:
+        raise UserError(f"--preflight-steps: {args.preflight_steps} must be >= 1")
+    script = slurm.render_preflight_script(opts, run_dir, args.preflight_steps, args.gpu_memory)
+    if args.dry_run:
+        if not opts.cpu_mode:
+            _warn_memory(cfg, opts, args.gpu_memory)
+        sys.stdout.write(script)
+        return 0
+    directory = os.path.join(run_dir, slurm.PREFLIGHT_DIR)
+    path = slurm.write_files(directory, config_yaml, {slurm.PREFLIGHT_TEMPLATE: script})[slurm.PREFLIGHT_TEMPLATE]
+    if not args.submit:
+        print(f"wrote {path}; submit with: sbatch {path}")
+        return 0
+    job = slurm.submit(path)
+    print(f"submitted preflight job {job}: {opts.nodes} node(s) x {opts.procs_per_node} rank(s); verdict in "
+          f"{os.path.join(directory, slurm.SLURM_DIR, f'slurm-{job}.out')} and {os.path.join(directory, 'summary.json')}")
     return 0
 
 

@@ -153,6 +153,31 @@ def render_train_script(opts: SlurmOptions, run_dir: str, force: bool = False) -
     })
 
 
+PREFLIGHT_TEMPLATE = "preflight.sbatch"
+PREFLIGHT_DIR = "preflight"
+
+
+def render_preflight_script(opts: SlurmOptions, run_dir: str, steps: int = 3,
+                            gpu_memory_gb: Optional[float] = None) -> str:
+    """The preflight job of this layout (nagmoe/train/preflight.py): in RUN_DIR/preflight, never touching the
+    run's own checkpoints."""
+    opts.validate()
+    directory = _one_word_path(os.path.join(os.path.abspath(run_dir), PREFLIGHT_DIR), "--run-dir")
+    threads = max(1, (opts.cpus_per_task or opts.procs_per_node) // opts.procs_per_node)
+    whole_node = ("--exclusive",) if not opts.cpu_mode and opts.cpus_per_task is None else ()
+    mode = (f"# CPU mode: {opts.procs_per_node} gloo rank(s) per node on CPUs (train.device=cpu)" if opts.cpu_mode
+            else f"# GPU mode: one NCCL rank per GPU, {opts.gpus_per_node} per node")
+    job_name = f"{opts.job_name or 'nagmoe-' + os.path.basename(os.path.abspath(run_dir))}-preflight"
+    return fill(read_template(PREFLIGHT_TEMPLATE), {
+        "SBATCH_LINES": sbatch_lines(opts, job_name, os.path.join(directory, SLURM_DIR, "slurm-%j.out"),
+                                     nodes=opts.nodes, gpus=opts.gpus_per_node, cpus_per_task=opts.cpus_per_task,
+                                     extra=whole_node),
+        "DIR": shlex.quote(directory), "TORCHRUN": shlex.quote(torchrun_path()),
+        "PROCS_PER_NODE": opts.procs_per_node, "THREADS_PER_PROC": threads, "MODE_LINE": mode, "STEPS": steps,
+        "GPU_MEMORY": f" --gpu-memory {gpu_memory_gb:g}" if gpu_memory_gb and opts.cpu_mode else "",
+    })
+
+
 def render_prepare_scripts(opts: SlurmOptions, launch_dir: str, num_slices: int,
                            with_tokenizer: bool = True) -> dict:
     """{step: script text} for the data-preparation jobs (tokenizer only `with_tokenizer`)."""

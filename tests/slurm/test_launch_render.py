@@ -148,3 +148,16 @@ def test_refuses_a_run_dir_with_checkpoints_of_another_config(repo_root, tmp_pat
     assert nagmoe("launch", "slurm", "--config", config, "--run-dir", run, "train.max_steps=9").returncode == 0
     assert nagmoe("launch", "slurm", "--config", config, "--run-dir", run, "model.d_model=64",
                   "--force").returncode == 0
+
+
+def test_preflight_dry_run_renders_a_short_job_at_the_layout(repo_root, tmp_path):
+    run_dir = tmp_path / "run"
+    out = nagmoe("launch", "slurm", "--config", os.path.join(repo_root, "configs/tiny.yaml"), "--nodes", 4,
+                 "--run-dir", run_dir, "--preflight", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    opts = sbatch_options(out.stdout)
+    assert opts["nodes"] == "4" and opts["gpus-per-node"] == "8" and opts["job-name"] == "nagmoe-run-preflight"
+    assert "requeue" not in opts and "signal" not in opts  # a short check, not a preemptible run
+    assert f"-m nagmoe preflight --dir \"$DIR\" --steps 3" in out.stdout
+    assert f"DIR={run_dir}/preflight" in out.stdout and "memory estimate per rank" in out.stderr
+    assert not run_dir.exists()

@@ -162,3 +162,23 @@ def test_data_prep_array_of_two_slices_and_merge_equals_one_pass(slurm_cluster, 
             [b["totals"][split][k] for k in ("n_tokens", "n_documents")]
     assert a["vocab_size"] == b["vocab_size"]
     assert not os.path.exists(os.path.join(arrayed, "parts"))
+
+
+def test_preflight_job_gives_a_verdict_naming_a_layout_that_cannot_fit(slurm_cluster, micro_yaml, tmp_path):
+    """`nagmoe launch slurm --preflight --submit` in CPU mode (2 gloo ranks, EP 2): the job trains, saves,
+    resumes, probes the collectives and checks the layout's CUDA estimate against a 0.001 GB GPU: FAIL,
+    naming the memory check; everything else passes. The run dir's own training state is not touched."""
+    run = str(tmp_path / "run")
+    stdout = submit(slurm_cluster, "--config", micro_yaml("parallel.ep=2"), "--run-dir", run, *CPU_MODE,
+                    "--preflight", "--preflight-steps", "2", "--gpu-memory", "0.001")
+    job = job_id(stdout, "preflight job")
+    info = wait_until(lambda: (lambda j: j if j.get("JobState") in FINAL_STATES else None)(slurm_cluster.job(job)),
+                      240, "the preflight job")
+    log = open(os.path.join(run, "preflight", "slurm", f"slurm-{job}.out")).read()
+    assert info["JobState"] == "FAILED" and "nagmoe preflight: FAIL — 2 rank(s), ep 2" in log, log[-3000:]
+    with open(os.path.join(run, "preflight", "summary.json")) as f:
+        summary = json.load(f)
+    assert {c["name"]: c["ok"] for c in summary["checks"]} == {
+        "training steps": True, "save and resume": True, "memory fits": False, "measured peak vs estimate": True}
+    assert "FAIL  memory fits" in log and "the layout does not fit" in log
+    assert not os.path.exists(os.path.join(run, "checkpoints"))  # the run itself is untouched

@@ -1,0 +1,46 @@
+"""`nagmoe preflight --dir DIR [--steps N] [--gpu-memory GB]`: one rank's part of a preflight job (written and
+submitted by `nagmoe launch slurm --preflight`; run under torchrun like `nagmoe train`): a bandwidth probe, N
+training steps of DIR/slurm/config.yaml in DIR/run, a save and a resume, peak memory against the estimate.
+Rank 0 writes DIR/summary.json and prints the verdict (nagmoe/train/preflight.py); exit 1 when a check fails."""
+import os
+
+
+def add_arguments(p):
+    p.add_argument("--dir", required=True, help="the preflight directory (slurm/config.yaml inside)")
+    p.add_argument("--steps", type=int, default=3, help="training steps before the save (default 3)")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
+                   help="CPU mode: the GPU memory per rank to check the layout's CUDA estimate against")
+
+
+def run(args) -> int:
+    import torch
+
+    from nagmoe.config import load_config
+    from nagmoe.errors import UserError
+    from nagmoe.parallel.env import init_distributed, read_dist_env, shutdown_distributed
+    from nagmoe.parallel.mesh import validate_parallel
+    from nagmoe.train.preflight import format_verdict, run_preflight
+    from nagmoe.train.trainer import resolve_device
+
+    if args.steps < 1:
+        raise UserError(f"--steps: {args.steps} must be >= 1")
+    config = os.path.join(args.dir, "slurm", "config.yaml")
+    if not os.path.isfile(config):
+        raise UserError(f"{config}: no preflight config (write one with `nagmoe launch slurm --preflight`)")
+    cfg = load_config(config)
+    env = read_dist_env()
+    validate_parallel(cfg, env.world_size)
+    device = resolve_device(cfg.train.device)
+    if device.type == "cuda" and env.distributed:
+        device = torch.device("cuda", env.local_rank)
+    created = init_distributed(env, device)
+    try:
+        summary = run_preflight(args.dir, args.steps, args.gpu_memory)
+    finally:
+        if created:
+            shutdown_distributed()
+    if summary is None:
+        return 0
+    print(format_verdict(summary), flush=True)
+    print(f"summary: {os.path.join(os.path.abspath(args.dir), 'summary.json')}")
+    return 0 if summary["verdict"] == "PASS" else 1

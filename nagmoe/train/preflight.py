@@ -1,0 +1,164 @@
+"""A preflight of a layout (issue 27): what a team checks on the cluster before queueing the real run, in one
+short job at the real layout (`nagmoe launch slurm --preflight`; every rank runs `nagmoe preflight`).
+
+Per rank: an all-reduce and an all-to-all bandwidth probe (bus bandwidth, GB/s), then `steps` training steps of
+the real model through the Trainer in DIR/run (the config at DIR/slurm/config.yaml), a save, a resume in a
+fresh Trainer that trains one more step, and the peak memory (CUDA: max allocated; CPU: peak RSS). Rank 0
+writes DIR/summary.json and prints a one-screen verdict: each check PASS or FAIL, with the memory estimate
+(nagmoe/train/memory.py) of the layout against the device's memory (or `--gpu-memory` in CPU mode, where the
+estimate is the CUDA one: what the cluster's GPUs would need) — a layout that cannot fit is named with the
+keys that change it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import time
+from typing import Optional
+
+import torch
+
+from nagmoe.config import load_config, set_key
+from nagmoe.flops import mfu
+
+PROBE_BYTES = {"cuda": 256 * 2 ** 20, "cpu": 8 * 2 ** 20}
+
+
+def _bandwidth(op: str, device: torch.device, repeats: int = 5) -> Optional[float]:
+    """Bus bandwidth in GB/s of an all-reduce or an all-to-all of PROBE_BYTES (None in one process)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    world = dist.get_world_size()
+    n = PROBE_BYTES[device.type] // 4 // world * world
+    x = torch.ones(n, device=device)
+    out = torch.empty_like(x)
+    run = (lambda: dist.all_reduce(x)) if op == "all_reduce" else (lambda: dist.all_to_all_single(out, x))
+    run()  # warm-up (connections)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / repeats
+    factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world  # nccl-tests' bus bw
+    return n * 4 * factor / seconds / 1e9
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_preflight(directory: str, steps: int = 3, gpu_memory_gb: Optional[float] = None) -> Optional[dict]:
+    """Run this rank's part (module docstring); the summary on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    from nagmoe.train.memory import estimate_memory
+    from nagmoe.train.metrics import read_metrics
+    from nagmoe.train.trainer import Trainer
+
+    cfg = load_config(os.path.join(directory, "slurm", "config.yaml"))
+    for key, value in (("train.max_steps", steps), ("train.checkpoint_every", steps), ("train.eval_every", 0),
+                       ("train.eval_tokens", cfg.data.seq_len), ("log.wandb", "off")):
+        set_key(cfg, key, value)
+    run_dir = os.path.join(directory, "run")
+    if not dist.is_initialized() or dist.get_rank() == 0:  # each preflight starts from nothing
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    device, world, rank = trainer.device, trainer.world_size, trainer.rank
+    bandwidth = {op: _bandwidth(op, device) for op in ("all_reduce", "all_to_all")}
+    trainer.run()
+    train_s = time.perf_counter() - t0
+    records = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "step" in r] if rank == 0 else []
+    saved_step = trainer.progress.step
+    set_key(cfg, "train.max_steps", steps + 1)
+    t1 = time.perf_counter()
+    resumed = Trainer(cfg, run_dir, quiet=True)
+    resumed_from = resumed.progress.step
+    load_s = time.perf_counter() - t1
+    resumed.run()
+    peak = _peak_memory(device)
+    peaks = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(peaks, peak)
+    else:
+        peaks = [peak]
+    if rank != 0:
+        return None
+    tokens = cfg.train.micro_batch_tokens or cfg.train.batch_tokens // world
+    est_here = estimate_memory(cfg, cfg.parallel.ep, tokens, device.type, world)["total"]
+    est_cuda = est_here if device.type == "cuda" else estimate_memory(cfg, cfg.parallel.ep, tokens, "cuda", world)["total"]
+    capacity = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+                else (gpu_memory_gb * 1e9 if gpu_memory_gb else None))
+    last = records[-1] if records else {}
+    step_flops = trainer.step_flops()
+    step_s = cfg.train.batch_tokens / last["tokens_per_s"] if last.get("tokens_per_s") else None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    util = mfu(step_flops / step_s, name, world) if step_s else None
+    summary = {
+        "layout": {"world_size": world, "ep": cfg.parallel.ep, "device": device.type, "device_name": name,
+                   "micro_batch_tokens": tokens, "batch_tokens": cfg.train.batch_tokens},
+        "steps": [{"step": r["step"], "loss": r["loss"], "tokens_per_s": r["tokens_per_s"]} for r in records],
+        "tokens_per_s": last.get("tokens_per_s"), "mfu": util, "train_and_save_s": round(train_s, 1),
+        "resume": {"saved_step": saved_step, "resumed_from": resumed_from, "ended_at": resumed.progress.step,
+                   "load_s": round(load_s, 1)},
+        "bandwidth_gb_s": bandwidth,
+        "memory": {"peak_per_rank": peaks, "estimate_here": est_here, "estimate_cuda": est_cuda,
+                   "device_capacity": capacity},
+    }
+    summary["checks"] = _checks(summary, records)
+    summary["verdict"] = "PASS" if all(c["ok"] for c in summary["checks"]) else "FAIL"
+    with open(os.path.join(directory, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+def _checks(summary: dict, records: list) -> list:
+    import math
+
+    mem, res = summary["memory"], summary["resume"]
+    losses = [r["loss"] for r in records]
+    checks = [
+        {"name": "training steps", "ok": bool(losses) and all(math.isfinite(v) for v in losses),
+         "detail": f"{len(losses)} steps, losses {', '.join(f'{v:.3f}' for v in losses)}"},
+        {"name": "save and resume", "ok": res["resumed_from"] == res["saved_step"] and
+         res["ended_at"] == res["saved_step"] + 1,
+         "detail": f"saved step {res['saved_step']}, resumed from {res['resumed_from']} to {res['ended_at']} "
+                   f"(load {res['load_s']} s)"},
+    ]
+    need, cap = mem["estimate_cuda"], mem["device_capacity"]
+    fits = cap is None or need <= cap
+    checks.append({"name": "memory fits", "ok": fits,
+                   "detail": (f"estimate {need / 1e9:.1f} GB per rank vs {cap / 1e9:.1f} GB" if cap else
+                              f"estimate {need / 1e9:.1f} GB per rank (no device size given)") +
+                   ("" if fits else ": the layout does not fit; lower train.micro_batch_tokens, turn on "
+                    "train.activation_checkpointing, set model.moe.capacity_factor or use more ranks")})
+    worst = max(p for p in mem["peak_per_rank"] if p is not None)
+    checks.append({"name": "measured peak vs estimate", "ok": worst <= 1.3 * mem["estimate_here"],
+                   "detail": f"peak {worst / 1e9:.2f} GB, estimate {mem['estimate_here'] / 1e9:.2f} GB "
+                             f"({summary['layout']['device']})"})
+    return checks
+
+
+def format_verdict(summary: dict) -> str:
+    lay, bw = summary["layout"], summary["bandwidth_gb_s"]
+    lines = [f"nagmoe preflight: {summary['verdict']} — {lay['world_size']} rank(s), ep {lay['ep']}, "
+             f"{lay['device_name']}, micro-batch {lay['micro_batch_tokens']:,} tokens"]
+    for c in summary["checks"]:
+        lines.append(f"  {'PASS' if c['ok'] else 'FAIL'}  {c['name']}: {c['detail']}")
+    tps, util = summary["tokens_per_s"], summary["mfu"]
+    lines.append(f"  info  throughput: {tps:,.0f} tokens/s, MFU {'-' if util is None else f'{100 * util:.1f}%'}"
+                 if tps else "  info  throughput: -")
+    lines.append("  info  bus bandwidth: " + ", ".join(
+        f"{op} {'-' if v is None else f'{v:.2f} GB/s'}" for op, v in bw.items()))
+    return "\n".join(lines)
