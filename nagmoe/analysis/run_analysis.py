@@ -18,6 +18,7 @@ and the load matrix), `val_loss` (nats per token) and `val_bpb`, and `notes`.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 from typing import Iterable, Optional
@@ -221,3 +222,43 @@ def analyze_run(run_dir: str, device: str = "cpu", max_tokens: int = DEFAULT_TOK
         result["notes"].append("compute_dial: calibrated on the analysed tokens (the validation split holds no "
                                "more): its realised rates are in-sample")
     return result
+
+
+def analyze_milestones(run_dir: str, device: str = "cpu", max_tokens: int = DEFAULT_TOKENS,
+                       batch_rows: int = 8) -> list:
+    """Norm, rotation, skip and router health through training (issue 27): the milestone checkpoints
+    (`train.keep_milestone_every_tokens`, never pruned) and the latest one, each measured on the same
+    validation windows; oldest first."""
+    from nagmoe.checkpoint import load_model_weights
+    from nagmoe.checkpoint.files import STATE, list_checkpoints
+    from nagmoe.checkpoint.publish import is_milestone
+    from nagmoe.data.bpb import token_bytes
+    from nagmoe.eval.generate import load_run
+
+    run = load_run(run_dir, device)
+    cfg = run.config
+    rows = max(1, min(batch_rows, LOGIT_BUDGET // (cfg.data.seq_len * cfg.model.vocab_size)))
+    batches, _ = validation_batches(cfg.data.data_dir, cfg.data.seq_len, rows, max_tokens, cfg.data.verify_shards)
+    tb = token_bytes(cfg.data.data_dir)
+    series = []
+    for step, path in list_checkpoints(run_dir):
+        milestone = is_milestone(path)
+        if not milestone and os.path.abspath(path) != os.path.abspath(run.checkpoint):
+            continue
+        load_model_weights(path, run.model)  # verifies the manifest first
+        with open(os.path.join(path, STATE)) as f:
+            tokens = json.load(f).get("extra", {}).get("progress", {}).get("tokens")
+        m = measure(run.model, batches, device, run.bos_id, tb, detailed=False)
+        stats = m.stats.mean()
+        loss, bpb = _loss_bpb(m)
+        depth = depth_report(stats, cfg.model.residual)
+        mod = mod_section(stats, run.model)
+        router = None if m.router.empty else m.router.report()
+        series.append({
+            "step": step, "tokens": tokens, "milestone": milestone, "checkpoint": path, "val_loss": loss,
+            "val_bpb": bpb, "norm_growth": depth["norm_growth"],
+            "cumulative_rotation": depth["cumulative_rotation"][-1],
+            "skip_rate": mod["realised_skip_rate"] if isinstance(mod, dict) else None,
+            "router_max_over_mean": max(router["max_over_mean"]) if router else None,
+            "router_dead_experts": sum(router["dead"]) if router else None})
+    return series

@@ -1,4 +1,4 @@
-"""`nagmoe analyze --run-dir DIR --out FILE.json [--tokens N] [--batch-rows B] [--bins K]`: depth statistics
+"""`nagmoe analyze --run-dir DIR --out FILE.json [--tokens N] [--batch-rows B] [--bins K] [--milestones]`: depth statistics
 (norm, rotation, NAG gates), attention to BOS per layer, confidence bins, MoD skip rates and the compute dial of
 a run's latest valid checkpoint on BOS-aligned validation windows, written as JSON (`nagmoe/analysis/`).
 Prints a few headline numbers."""
@@ -17,6 +17,9 @@ def add_arguments(p):
     p.add_argument("--batch-rows", type=int, default=8, metavar="B", help="windows per forward")
     p.add_argument("--bins", type=int, default=10, metavar="K", help="confidence bins")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--milestones", action="store_true",
+                   help="also measure every milestone checkpoint (train.keep_milestone_every_tokens): norm, "
+                        "rotation, skip and router health through training, under `through_training`")
 
 
 def _fmt(x, spec=".3f"):
@@ -31,7 +34,12 @@ def run(args) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise UserError(f"--out: directory {out_dir} does not exist")
-    result = analyze_run(args.run_dir, resolve_device(args.device), args.tokens, args.batch_rows, args.bins)
+    device = resolve_device(args.device)
+    result = analyze_run(args.run_dir, device, args.tokens, args.batch_rows, args.bins)
+    if args.milestones:
+        from nagmoe.analysis.run_analysis import analyze_milestones
+
+        result["through_training"] = analyze_milestones(args.run_dir, device, args.tokens, args.batch_rows)
     with open(args.out, "w") as f:
         json.dump(plain_json(result), f, indent=2)
     depth, sink = result["depth"], result["attention_sink"]
@@ -46,5 +54,9 @@ def run(args) -> int:
               f"vs top-1 {_fmt(rep['spearman_top1'])}")
     print(f"mod: {'see JSON' if isinstance(result['mod'], dict) else result['mod']}; compute dial: "
           f"{'see JSON' if isinstance(result['compute_dial'], list) else result['compute_dial']}")
+    for row in result.get("through_training", []):
+        print(f"step {row['step']}{' (milestone)' if row['milestone'] else ''}: val loss {_fmt(row['val_loss'], '.4f')}, "
+              f"norm growth x{_fmt(row['norm_growth'])}, rotation {_fmt(row['cumulative_rotation'])} rad, skip "
+              f"{_fmt(row['skip_rate'])}, worst expert load x{_fmt(row['router_max_over_mean'], '.2f')}")
     print(f"wrote {args.out}")
     return 0

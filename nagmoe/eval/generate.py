@@ -27,9 +27,9 @@ class LoadedRun(NamedTuple):
     checkpoint: str
 
 
-def load_run(run_dir: str, device: str = "cpu") -> LoadedRun:
-    """Model (eval mode, on `device`) from the run's latest valid checkpoint, and its tokenizer; UserError
-    when the run dir, its config, a checkpoint or the tokenizer is missing."""
+def load_run(run_dir: str, device: str = "cpu", checkpoint: Optional[str] = None) -> LoadedRun:
+    """Model (eval mode, on `device`) from the run's latest valid checkpoint (or `checkpoint`), and its
+    tokenizer; UserError when the run dir, its config, a checkpoint or the tokenizer is missing."""
     from nagmoe.data.tokenizer import bos_id, check_vocab, load_tokenizer
     from nagmoe.model import build_model
     from nagmoe.checkpoint import latest_valid_checkpoint, load_model_weights
@@ -40,7 +40,8 @@ def load_run(run_dir: str, device: str = "cpu") -> LoadedRun:
     cfg = read_saved_config(run_dir)
     if cfg is None:
         raise UserError(f"--run-dir: {run_dir} is not a run dir (no {CONFIG_FILE})")
-    checkpoint = latest_valid_checkpoint(run_dir)
+    verified = checkpoint is None  # latest_valid_checkpoint verifies; a checkpoint given is verified on load
+    checkpoint = checkpoint or latest_valid_checkpoint(run_dir)
     if checkpoint is None:
         raise UserError(f"--run-dir: {run_dir} has no valid checkpoint under checkpoints/ (train it first)")
     tok_path = os.path.join(cfg.data.data_dir, "tokenizer.json")
@@ -51,7 +52,7 @@ def load_run(run_dir: str, device: str = "cpu") -> LoadedRun:
     model = build_model(cfg.model)
     model.set_mod_seq_len(cfg.data.seq_len)  # MoD's work weights as in training
     model.set_precision(cfg.train.precision)  # the run's numerics (legacy for run dirs from before the key)
-    load_model_weights(checkpoint, model, verified=True)  # either engine's layout; verified just above
+    load_model_weights(checkpoint, model, verified=verified)  # either engine's layout
     return LoadedRun(model.to(device).eval(), tokenizer, bos_id(tokenizer, tok_path), cfg, checkpoint)
 
 
