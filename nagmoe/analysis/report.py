@@ -241,7 +241,27 @@ def depth_section(groups, colours, fig_dir) -> tuple:
              para("Fraction of the routing slots each expert of each MoE layer received on the analysed "
                   "validation tokens (nagmoe analyze, section router: also entropy, max/mean, CV, dead experts).",
                   "note")]
+    html_ += milestone_tables(groups)
     return "\n".join(html_), paths
+
+
+def milestone_tables(groups) -> list:
+    """Norm, rotation, skip and router health at each milestone checkpoint (nagmoe analyze --milestones)."""
+    rows = []
+    for g, rs in groups.items():
+        for r in rs:
+            for m in (r.analysis or {}).get("through_training", []):
+                rows.append([f"{g} ({r.label})", str(m["step"]), big(m["tokens"]) if m["tokens"] else "-",
+                             num(m["val_loss"]), num(m["norm_growth"], ".2f"), num(m["cumulative_rotation"], ".3f"),
+                             num(m["skip_rate"], ".1%"), num(m["router_max_over_mean"], ".2f"),
+                             "-" if m["router_dead_experts"] is None else str(m["router_dead_experts"])])
+    if not rows:
+        return []
+    return ["<h3>Through training (milestone checkpoints)</h3>",
+            table(["run", "step", "tokens", "val loss", "norm growth", "cumulative rotation (rad)", "MoD skip",
+                   "worst expert load (max/mean)", "dead experts"], rows),
+            para("Each run's milestone checkpoints (train.keep_milestone_every_tokens, never pruned) and its "
+                 "latest one, measured on the same validation windows as above.", "note")]
 
 
 def mod_section(groups, nums, pairs, fig_dir) -> tuple:

@@ -160,6 +160,13 @@ def unique_labels(records: list) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Measuring checkpoints (cached per run under OUT/data/)
 # ----------------------------------------------------------------------------------------------------------
+def has_milestones(run_dir: str) -> bool:
+    from nagmoe.checkpoint.files import list_checkpoints
+    from nagmoe.checkpoint.publish import is_milestone
+
+    return any(is_milestone(path) for _, path in list_checkpoints(run_dir))
+
+
 def measure_checkpoint(record: RunRecord, out_dir: str, analysis_tokens: int, eval_items: int, device: str,
                        log: Callable[[str], None]) -> list:
     """Fill record.analysis / record.eval from the latest checkpoint (or the cache); returns problem messages."""
@@ -180,6 +187,11 @@ def measure_checkpoint(record: RunRecord, out_dir: str, analysis_tokens: int, ev
                 from nagmoe.analysis.run_analysis import analyze_run
 
                 record.analysis = plain_json(analyze_run(record.run_dir, device, analysis_tokens))
+                if has_milestones(record.run_dir):  # through training (train.keep_milestone_every_tokens)
+                    from nagmoe.analysis.run_analysis import analyze_milestones
+
+                    record.analysis["through_training"] = plain_json(
+                        analyze_milestones(record.run_dir, device, analysis_tokens))
             except Exception as e:
                 problems.append(f"{record.run_dir}: depth analysis failed ({type(e).__name__}: {e})")
     if eval_items:

@@ -1,6 +1,6 @@
 """Issue 27: `nagmoe analyze --milestones` reads a run's milestone checkpoints (kept through pruning by
 `train.keep_milestone_every_tokens`) and the latest one, and reports norm, rotation, skip and router health
-through training, measured on the same validation windows."""
+through training, measured on the same validation windows; `nagmoe report` shows them in its depth section."""
 import json
 
 from nagmoe.cli import main
@@ -24,3 +24,10 @@ def test_analyze_reports_the_milestones_through_training(micro_config, tmp_path,
         assert 0 < r["skip_rate"] < 1 and r["router_max_over_mean"] >= 1 and r["router_dead_experts"] >= 0
     assert len({r["val_loss"] for r in rows}) == 3  # three different checkpoints were measured
     assert "step 2 (milestone): val loss" in capsys.readouterr().out
+
+    assert main(["report", run_dir, "--out", str(tmp_path / "report"), "--eval-items", "4",
+                 "--analysis-tokens", "512", "--device", "cpu"]) == 0
+    html = (tmp_path / "report" / "report.html").read_text()
+    assert "Through training (milestone checkpoints)" in html
+    table = html.split("Through training (milestone checkpoints)")[1].split("</table>")[0]
+    assert table.count("<tr>") - 1 == 3  # a header and the three measured checkpoints
