@@ -13,32 +13,18 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    import torch
-
+    from nagmoe.commands.common import launched_process_group
     from nagmoe.config import load_config
     from nagmoe.errors import UserError
-    from nagmoe.parallel.env import init_distributed, read_dist_env, shutdown_distributed
-    from nagmoe.parallel.mesh import validate_parallel
     from nagmoe.train.preflight import format_verdict, run_preflight
-    from nagmoe.train.trainer import resolve_device
 
     if args.steps < 1:
         raise UserError(f"--steps: {args.steps} must be >= 1")
     config = os.path.join(args.dir, "slurm", "config.yaml")
     if not os.path.isfile(config):
         raise UserError(f"{config}: no preflight config (write one with `nagmoe launch slurm --preflight`)")
-    cfg = load_config(config)
-    env = read_dist_env()
-    validate_parallel(cfg, env.world_size)
-    device = resolve_device(cfg.train.device)
-    if device.type == "cuda" and env.distributed:
-        device = torch.device("cuda", env.local_rank)
-    created = init_distributed(env, device)
-    try:
+    with launched_process_group(load_config(config)):
         summary = run_preflight(args.dir, args.steps, args.gpu_memory)
-    finally:
-        if created:
-            shutdown_distributed()
     if summary is None:
         return 0
     print(format_verdict(summary), flush=True)

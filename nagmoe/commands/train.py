@@ -7,7 +7,7 @@ Distributed: under torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or one srun task per ra
 `parallel.*` is checked against the world size before any process group is created (exit 2)."""
 import os
 
-from nagmoe.commands.common import add_config_arguments, config_from_args
+from nagmoe.commands.common import add_config_arguments, config_from_args, launched_process_group
 
 
 def add_arguments(p):
@@ -18,24 +18,12 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    import torch
-
-    from nagmoe.parallel.env import init_distributed, read_dist_env, shutdown_distributed
-    from nagmoe.parallel.mesh import ParallelMesh, validate_parallel
-    from nagmoe.train.trainer import Trainer, resolve_device
+    from nagmoe.parallel.mesh import ParallelMesh
+    from nagmoe.train.trainer import Trainer
 
     cfg = config_from_args(args)
     run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
-    env = read_dist_env()
-    validate_parallel(cfg, env.world_size)
-    device = resolve_device(cfg.train.device)
-    if device.type == "cuda" and env.distributed:
-        device = torch.device("cuda", env.local_rank)
-    created = init_distributed(env, device)
-    try:
+    with launched_process_group(cfg) as (env, device):
         mesh = ParallelMesh.build(cfg, env.rank, env.world_size, env.local_rank, device.type)
         Trainer(cfg, run_dir, force=args.force, quiet=args.quiet, mesh=mesh).run()
-    finally:
-        if created:
-            shutdown_distributed()
     return 0

@@ -235,6 +235,30 @@ def estimate_memory(cfg, ep: Optional[int] = None, micro_batch_tokens: Optional[
     return out
 
 
+def eager_memory_refusal(cfg, device_memory_bytes: int, ep: int, world_size: int) -> Optional[str]:
+    """The one-line refusal of a CUDA layout that runs eager (`train.compile` off on CUDA) and whose memory
+    estimate (nagmoe.train.memory.estimate_memory, the one estimator) exceeds `device_memory_bytes`; None when
+    it fits or when the blocks are compiled (the estimate is an eager upper bound). The micro-batch is the
+    trainer's: `train.micro_batch_tokens`, at most this rank's share of `train.batch_tokens`."""
+    from nagmoe.train.speed import resolve_compile
+
+    if resolve_compile(cfg.train.compile, "cuda"):
+        return None
+    t, seq = cfg.train, cfg.data.seq_len
+    rank_rows = max(1, t.batch_tokens // seq // max(1, world_size))
+    rows = min(rank_rows, t.micro_batch_tokens // seq) if t.micro_batch_tokens else rank_rows
+    tokens = max(1, rows) * seq
+    est = estimate_memory(cfg, ep=ep, micro_batch_tokens=tokens, device="cuda", world_size=world_size)
+    if est["total"] <= device_memory_bytes:
+        return None
+    biggest = max(est["parts"], key=lambda k: est[k])
+    return (f"train.compile={cfg.train.compile} (eager on CUDA): this layout needs about {est['total'] / GIB:.1f} "
+            f"GiB per rank (memory estimate at train.micro_batch_tokens={tokens}, parallel.ep={ep}, world size "
+            f"{world_size}; largest part {biggest} {est[biggest] / GIB:.1f} GiB) but the device has "
+            f"{device_memory_bytes / GIB:.1f} GiB: lower train.micro_batch_tokens, or set train.compile=true "
+            f"(or auto), or train.activation_checkpointing=true")
+
+
 def format_memory(est: dict) -> str:
     lay = est["layout"]
     lines = [f"memory per rank ({lay['device']}, ep {lay['ep']}, world {lay['world_size']}, micro-batch "

@@ -23,8 +23,8 @@ compile (`train.compile`: auto | true | false; auto = on for CUDA, off for CPU; 
     does not grow with depth or steps (tests/perf/test_compiled_blocks.py). Parameter names, hence
     checkpoints, are unchanged: the compiled call is an instance attribute (`forward`), as the checkpointing
     wrapper below.
-    With compile off on CUDA the trainer refuses a layout whose eager memory estimate (nagmoe.train.memory)
-    exceeds the device (`eager_memory_refusal`).
+    With compile off on CUDA the trainer refuses a layout whose eager memory estimate exceeds the device
+    (`nagmoe.train.memory.eager_memory_refusal`).
 activation checkpointing: every sublayer (attention, MLP/MoE) runs under non-reentrant
     `torch.utils.checkpoint` while training: its activations are recomputed in the backward instead of being
     kept, so the memory of a deep model is the stream (two lanes per sublayer) plus one sublayer's
@@ -36,7 +36,6 @@ activation checkpointing: every sublayer (attention, MLP/MoE) runs under non-ree
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -153,7 +152,7 @@ def compile_model(model, backend="inductor") -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# What runs: SDPA backends; the eager layout's memory on CUDA
+# What runs: SDPA backends
 # ----------------------------------------------------------------------------------------------------------
 def sdpa_backends(device_type: str) -> str:
     """The SDPA kernels F.scaled_dot_product_attention may pick here: on CUDA the enabled ones of flash /
@@ -165,27 +164,3 @@ def sdpa_backends(device_type: str) -> str:
              ("cudnn", "cudnn_sdp_enabled"), ("math", "math_sdp_enabled"))
     enabled = [name for name, fn in flags if getattr(torch.backends.cuda, fn, lambda: False)()]
     return "/".join(enabled) or "none enabled"
-
-
-def eager_memory_refusal(cfg, device_memory_bytes: int, ep: int, world_size: int) -> Optional[str]:
-    """The one-line refusal of a CUDA layout that runs eager (`train.compile` off on CUDA) and whose memory
-    estimate (nagmoe.train.memory.estimate_memory, the one estimator) exceeds `device_memory_bytes`; None when
-    it fits or when the blocks are compiled (the estimate is an eager upper bound). The micro-batch is the
-    trainer's: `train.micro_batch_tokens`, at most this rank's share of `train.batch_tokens`."""
-    if resolve_compile(cfg.train.compile, "cuda"):
-        return None
-    from nagmoe.train.memory import GIB, estimate_memory
-
-    t, seq = cfg.train, cfg.data.seq_len
-    rank_rows = max(1, t.batch_tokens // seq // max(1, world_size))
-    rows = min(rank_rows, t.micro_batch_tokens // seq) if t.micro_batch_tokens else rank_rows
-    tokens = max(1, rows) * seq
-    est = estimate_memory(cfg, ep=ep, micro_batch_tokens=tokens, device="cuda", world_size=world_size)
-    if est["total"] <= device_memory_bytes:
-        return None
-    biggest = max(est["parts"], key=lambda k: est[k])
-    return (f"train.compile={cfg.train.compile} (eager on CUDA): this layout needs about {est['total'] / GIB:.1f} "
-            f"GiB per rank (memory estimate at train.micro_batch_tokens={tokens}, parallel.ep={ep}, world size "
-            f"{world_size}; largest part {biggest} {est[biggest] / GIB:.1f} GiB) but the device has "
-            f"{device_memory_bytes / GIB:.1f} GiB: lower train.micro_batch_tokens, or set train.compile=true "
-            f"(or auto), or train.activation_checkpointing=true")

@@ -50,9 +50,9 @@ from nagmoe.train.preemption import PreemptionWatch
 from nagmoe.checkpoint.run_dir import adopt_legacy_values, prepare_run_dir, write_run_info, write_summary
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
 from nagmoe.train.checkpoint_schedule import CheckpointSchedule, save_error
+from nagmoe.train.memory import eager_memory_refusal
 from nagmoe.train.progress_log import ProgressLog
-from nagmoe.train.speed import (compile_model, eager_memory_refusal, enable_activation_checkpointing, resolve_compile,
-                                sdpa_backends)
+from nagmoe.train.speed import compile_model, enable_activation_checkpointing, resolve_compile, sdpa_backends
 
 
 @dataclass

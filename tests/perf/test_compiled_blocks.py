@@ -13,7 +13,8 @@ import functools
 import pytest
 import torch
 
-from nagmoe.train.speed import compile_model, eager_memory_refusal, resolve_compile, sdpa_backends
+from nagmoe.train.memory import eager_memory_refusal
+from nagmoe.train.speed import compile_model, resolve_compile, sdpa_backends
 
 STEPS = 5
 MOD = ("model.mod.skip_rate=0.2", "model.mod.start_tokens=0")  # skipping from step 2 (nag.warmup_tokens=256)
