@@ -3,6 +3,7 @@ side with the executed-FLOP ratio, written as JSON.
 
     python tools/bench_mod.py                                            # configs/tiny-mod20.yaml, 8 x 256
     python tools/bench_mod.py --config configs/tiny-mod20.yaml --rows 8 --iters 10 --out bench_mod.json
+    python tools/bench_mod.py --block [--repeats 7 --profile 1 --threads 1 --smoke]   # tools/bench_mod_block.py
 
 One model, one set of weights: the MoD variant uses thresholds at the config's skip rate, taken from the score
 histograms of a calibration forward (`set_mod_skip_rate`, as the generate dial does); the full-depth variant
@@ -33,6 +34,7 @@ from nagmoe.config import load_config  # noqa: E402
 from nagmoe.flops import flops_per_token  # noqa: E402
 from nagmoe.model import build_model  # noqa: E402
 
+RATES = (0.1, 0.2, 0.3)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -144,10 +146,26 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the JSON here (it is always printed)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also profile STEPS steps per variant: time in FLOP-counted ops vs the rest")
+    ap.add_argument("--block", action="store_true",
+                    help="one block of the r40 paper config at seq 2048, MoD 0/10/20/30%% vs full depth "
+                         "(tools/bench_mod_block.py): paired repeats, bootstrap CI, realised share of the FLOP gain")
+    ap.add_argument("--repeats", type=int, default=7, help="--block: paired repeats")
+    ap.add_argument("--smoke", action="store_true", help="--block: tiny dims, 2 repeats (CI, gpu_check --cpu)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.block:
+        from bench_mod_block import bench_block
+
+        result = bench_block(repeats=2 if args.smoke else args.repeats, rates=(0.2,) if args.smoke else RATES,
+                             smoke=args.smoke, profile=args.profile > 0)
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        return 0
     result = bench(args.config, args.rows, args.iters, args.warmup, overrides=tuple(args.overrides),
                    profile_steps=args.profile)
     text = json.dumps(result, indent=2)

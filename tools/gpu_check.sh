@@ -60,7 +60,7 @@ export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 WANDB_
 if [[ $MODE == cpu ]]; then
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" CUDA_VISIBLE_DEVICES=""
   BUDGET="${GPU_CHECK_BUDGET:-170}"
-  SECTIONS=(data:30 train_r40:90 resume:60 mod_block:30 env:30 tests:60 dcp:30)
+  SECTIONS=(data:30 train_r40:90 resume:60 mod_block:45 env:30 tests:60 dcp:30)
 else
   BUDGET="${GPU_CHECK_BUDGET:-350}"  # + at most 5 s of a last kill and the summary: under 6 minutes
   SECTIONS=(install:60 data:45 train_r40:210 resume:90 mod_block:60 env:30 tests:90 dcp:30)
