@@ -53,9 +53,9 @@ def train_on_rank(name, overrides, run_dir, max_steps):
     trainer = Trainer(load(name, [*overrides, f"train.max_steps={max_steps}"]), run_dir, quiet=True)
     setup_s, saves, save = time.perf_counter() - t0, [], trainer.checkpoint
 
-    def timed_save():
+    def timed_save(*args, **kwargs):
         t = time.perf_counter()
-        path = save()
+        path = save(*args, **kwargs)
         saves.append(time.perf_counter() - t)
         return path
 

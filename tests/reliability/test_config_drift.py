@@ -40,9 +40,11 @@ def test_config_drift_refuses_listing_the_keys_and_force_overrides(short_config,
 
     # every schedule-length, checkpoint-keeping and logging key changed at once: resumes without --force
     cfg = load_config(short_config, ["train.max_steps=4", "train.flop_budget=1e15", "train.eval_every=2",
-                                     "train.checkpoint_every=1", "train.keep_checkpoints=3", "log.wandb=off"])
+                                     "train.checkpoint_every=1", "train.keep_checkpoints=3", "log.wandb=off",
+                                     "train.checkpoint_every_minutes=60", "train.keep_milestone_every_tokens=512"])
     assert {"train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every",
-            "train.keep_checkpoints", "log.wandb"} == set(RESUMABLE_KEYS)
+            "train.keep_checkpoints", "log.wandb", "train.checkpoint_every_minutes",
+            "train.keep_milestone_every_tokens"} == set(RESUMABLE_KEYS)
     trainer = Trainer(cfg, run_dir, quiet=True)
     assert trainer.progress.step == 2
     trainer.run()
