@@ -29,7 +29,7 @@ print(json.dumps({{"maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss 
 """
 
 
-@pytest.mark.slow
+@pytest.mark.scale  # a wide single process (8192-token micro-batch); CI checks RSS in the r40 rehearsal instead
 def test_cpu_estimate_matches_the_peak_rss_of_a_training_process(micro_data):
     from nagmoe.config import load_config
 
