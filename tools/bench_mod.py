@@ -33,8 +33,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nagmoe.config import load_config  # noqa: E402
 from nagmoe.flops import flops_per_token  # noqa: E402
 from nagmoe.model import build_model  # noqa: E402
-
-RATES = (0.1, 0.2, 0.3)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -156,18 +154,13 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.block:
-        from bench_mod_block import bench_block
+        from bench_mod_block import RATES, bench_block
 
         result = bench_block(repeats=2 if args.smoke else args.repeats, rates=(0.2,) if args.smoke else RATES,
                              smoke=args.smoke, profile=args.profile > 0)
-        text = json.dumps(result, indent=2)
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
-        return 0
-    result = bench(args.config, args.rows, args.iters, args.warmup, overrides=tuple(args.overrides),
-                   profile_steps=args.profile)
+    else:
+        result = bench(args.config, args.rows, args.iters, args.warmup, overrides=tuple(args.overrides),
+                       profile_steps=args.profile)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
