@@ -148,6 +148,9 @@ def main(argv=None) -> int:
                     help="one block of the r40 paper config at seq 2048, MoD 0/10/20/30%% vs full depth "
                          "(tools/bench_mod_block.py): paired repeats, bootstrap CI, realised share of the FLOP gain")
     ap.add_argument("--repeats", type=int, default=7, help="--block: paired repeats")
+    ap.add_argument("--inner", type=int, default=3, help="--block: steps per variant and repeat (the fastest kept)")
+    ap.add_argument("--rates", default=None, help="--block: comma-separated skip rates (default 0.1,0.2,0.3)")
+    ap.add_argument("--block-rows", type=int, default=1, help="--block: sequences of seq_len per step")
     ap.add_argument("--smoke", action="store_true", help="--block: tiny dims, 2 repeats (CI, gpu_check --cpu)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
@@ -156,8 +159,10 @@ def main(argv=None) -> int:
     if args.block:
         from bench_mod_block import RATES, bench_block
 
-        result = bench_block(repeats=2 if args.smoke else args.repeats, rates=(0.2,) if args.smoke else RATES,
-                             smoke=args.smoke, profile=args.profile > 0)
+        result = bench_block(repeats=2 if args.smoke else args.repeats, rates=(0.2,) if args.smoke else
+                             tuple(float(r) for r in args.rates.split(",")) if args.rates else RATES,
+                             smoke=args.smoke, profile=args.profile > 0, inner=1 if args.smoke else args.inner,
+                             rows=args.block_rows, overrides=tuple(args.overrides))
     else:
         result = bench(args.config, args.rows, args.iters, args.warmup, overrides=tuple(args.overrides),
                        profile_steps=args.profile)

@@ -79,6 +79,13 @@ def set_skip(model, state, rate: float) -> list:
     return [float(f) for f in executed_fractions(model, state)]
 
 
+def use_thresholds(model, threshold, skipping: bool) -> None:
+    cal = model.mod_calibrator()
+    with torch.no_grad():
+        cal.threshold.copy_(threshold)
+        cal.skipping.fill_(skipping)
+
+
 def run_block(model, state, upto=None):
     from nagmoe.model.mod import run_on_executed
     import functools
@@ -145,31 +152,39 @@ def profile_table(model, state, probe, steps: int = 2) -> dict:
 
 
 def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = False, profile: bool = False,
-                seed: int = 0, device: str = None) -> dict:
+                seed: int = 0, device: str = None, inner: int = 3, overrides=()) -> dict:
     from nagmoe.flops import executed_flops_per_token, flops_per_token
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    cfg, model = build_block(SMOKE if smoke else (), seed, device)
+    cfg, model = build_block((*(SMOKE if smoke else ()), *overrides), seed, device)
     state = block_input(cfg, rows, seed, device)
     probe = torch.randn(state.direction_BTD.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     m, T = cfg.model, cfg.data.seq_len
     variants = {0.0: None, **{r: None for r in rates}}
     fractions, padded = {}, {}
+    thresholds = {}
     for r in variants:
         fractions[r] = set_skip(model, state, r)
+        thresholds[r] = model.mod_calibrator().threshold.clone()
         with torch.no_grad():  # attention's query rows per token, padded to the longest sequence: max_b n_b / T
-            executed_B = (_scores(model, state, 0) > model.mod_calibrator().threshold[0]).sum(1)
+            executed_B = (_scores(model, state, 0) > thresholds[r][0]).sum(1)
         padded[r] = [float(executed_B.max()) / T if r > 0 else 1.0, fractions[r][1]]
     cpu = {r: [] for r in variants}
     wall = {r: [] for r in variants}
     order = list(variants)
     for rep in range(repeats + 1):  # the first round warms up
-        for r in order[rep % len(order):] + order[:rep % len(order)]:
-            set_skip(model, state, r)
-            c, w = step_seconds(model, state, probe)
-            if rep:
-                cpu[r].append(c)
-                wall[r].append(w)
+        best = {r: (float("inf"), float("inf")) for r in variants}
+        # the variants alternate step by step (the order rotated each repeat), `inner` rounds, the fastest step
+        # of each kept: the machine's speed drifts over seconds on a shared VM, so only neighbouring steps
+        # compare; a neighbour's burst inflates one step, not the minimum
+        for _ in range(inner):
+            for r in order[rep % len(order):] + order[:rep % len(order)]:
+                use_thresholds(model, thresholds[r], r > 0)
+                best[r] = min(best[r], step_seconds(model, state, probe))
+        if rep:
+            for r in variants:
+                cpu[r].append(best[r][0])
+                wall[r].append(best[r][1])
     full = flops_per_token(m, T, 1.0, "non_embedding")
     out_rates = []
     for r in rates:
@@ -188,13 +203,13 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
             "verdict": "meets (lower bound >= 0.8)" if share(lo) >= 0.8 else "below 0.8 at the lower bound"})
     result = {"benchmark": "mod_block", "config": os.path.relpath(CONFIG, REPO), "smoke": smoke,
               "d_model": m.d_model, "experts": m.moe.n_experts, "top_k": m.moe.top_k, "seq_len": T, "rows": rows,
-              "repeats": repeats, "threads": torch.get_num_threads(), "device": device,
+              "repeats": repeats, "inner": inner, "overrides": list(overrides), "threads": torch.get_num_threads(), "device": device,
               "timing": "synchronised wall clock" if device == "cuda" else "process CPU time",
               "full_cpu_s_median": statistics.median(cpu[0.0]), "rates": out_rates}
     if profile:
         result["profile_s_per_step"] = {}
         for r in (0.0, 0.2 if 0.2 in variants else rates[0]):
-            set_skip(model, state, r)
+            use_thresholds(model, thresholds[r], r > 0)
             result["profile_s_per_step"][f"skip {r:.0%}"] = profile_table(model, state, probe)
     return result
 

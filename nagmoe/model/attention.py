@@ -174,12 +174,12 @@ def attention_at_positions(q_BHMS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: t
     return probs_BHML @ v_BHLS
 
 
-def executed_queries(q_NHS: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, select, offset: int):
-    """The executed queries (flat, N rows) in the padded per-sequence layout with RoPE at their original
-    positions: returns (q_BMHS, positions_BM absolute). Padding rows are zero queries."""
+def executed_queries(q_BMHS: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, select, offset: int):
+    """The executed queries, already in the padded per-sequence layout (`select.to_padded` of flat rows, or
+    `select.gather_padded` of every token's), with RoPE at their original positions: returns
+    (q_BMHS, positions_BM absolute). Padding rows are dropped by `select.from_padded`."""
     positions_BM, _ = select.padded()
-    q_BMHS = apply_rope(select.to_padded(q_NHS), cos_TR[positions_BM], sin_TR[positions_BM])
-    return q_BMHS, positions_BM + offset
+    return apply_rope(q_BMHS, cos_TR[positions_BM], sin_TR[positions_BM]), positions_BM + offset
 
 
 def _visible_TL(T: int, q_offset: int, device) -> torch.Tensor:
@@ -292,7 +292,7 @@ class MultiHeadAttention(nn.Module):
             return self.c_proj(y_BHTS.transpose(1, 2).reshape(B, T, H * S)), None
         # MoD: the query projection, score rows and output projection of the executed tokens only
         q_NHS = self.c_q(select.gather(x_BTD)).view(-1, H, S)
-        q_BMHS, positions_BM = executed_queries(q_NHS, cos, sin, select, offset)
+        q_BMHS, positions_BM = executed_queries(select.to_padded(q_NHS), cos, sin, select, offset)
         if self.qk_norm:
             q_BMHS = rms_norm(q_BMHS)
         y_BHMS = attention_at_positions(q_BMHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, positions_BM,

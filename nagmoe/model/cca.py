@@ -179,7 +179,8 @@ class CCAttention(nn.Module):
             q_BTHS = apply_rope(rms_norm(q_BTHS), cos, sin)
             y_BHTS = causal_attention(q_BTHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, q_offset=offset)
             return self.c_proj(y_BHTS.transpose(1, 2).reshape(B, T, H * S)), None
-        q_BMHS, positions_BM = executed_queries(rms_norm(select.gather(q_BTHS)), cos, sin, select, offset)
+        # every token's latent query exists already (the convs need it): one copy into the padded layout
+        q_BMHS, positions_BM = executed_queries(rms_norm(select.gather_padded(q_BTHS)), cos, sin, select, offset)
         y_BHMS = attention_at_positions(q_BMHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, positions_BM,
                                         key_ends=select.key_ends_at(offset))
         return self.c_proj(select.from_padded(y_BHMS.transpose(1, 2)).reshape(-1, H * S)), None

@@ -89,6 +89,23 @@ class ExecutedTokens:
         out = y_N_.new_zeros(self.B * self.T, *y_N_.shape[1:]).index_copy(0, self.index_N, y_N_)
         return out.view(self.B, self.T, *y_N_.shape[1:])
 
+    def scatter_onto(self, base: torch.Tensor, y_N_: torch.Tensor) -> torch.Tensor:
+        """`base` (broadcast to every token's row) plus `y` on the executed rows: MoD's f̂ = X_l + F(R̄) for
+        executed tokens and f̂ = X_l for skipped ones, as one write of the (B, T, ...) output and an add on the N
+        executed rows (not zeros, a copy and a full-size add). Equal to `base + scatter(y)` bit for bit."""
+        rows = (self.B * self.T, *y_N_.shape[1:])
+        out = torch.index_add(base.to(y_N_.dtype).expand(rows), 0, self.index_N, y_N_)
+        return out.view(self.B, self.T, *y_N_.shape[1:])
+
+    def gather_padded(self, x_BT_: torch.Tensor) -> torch.Tensor:
+        """The executed tokens of a (B, T, ...) tensor straight into the padded (B, M, ...) layout (one copy:
+        `to_padded(gather(x))` makes two). Padding slots hold each sequence's token 0 instead of zeros; callers
+        drop them with `from_padded`, so they get no gradient."""
+        positions_BM, _ = self.padded()
+        rows_BM = positions_BM + self.T * torch.arange(self.B, device=positions_BM.device).unsqueeze(1)
+        flat = x_BT_.reshape(self.B * self.T, *x_BT_.shape[2:]).index_select(0, rows_BM.reshape(-1))
+        return flat.view(self.B, self.M, *x_BT_.shape[2:])
+
     def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions_BM, valid_BM); executed positions first, ascending; padding slots at position 0."""
         if self._padded is None:

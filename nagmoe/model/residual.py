@@ -271,12 +271,12 @@ class NAGResidual(ResidualStream):
             select = self.mod.select(index, score_BT)
             if select is None:  # every token executes (ineligible, or before the start)
                 f_BTD, aux, gate_scale_BT = _unpack(sublayer(direction_BTD))
-            else:  # F on the executed tokens only, zeros elsewhere
+                f_BTD = f_BTD + gate.base.to(f_BTD.dtype)  # F(R_bar) + X_l
+            else:  # F on the executed tokens only: X_l + F(R_bar) executed, X_l skipped, in one pass
                 y_ND, aux, gate_scale_N = _unpack(sublayer(direction_BTD, select=select))
-                f_BTD = select.scatter(y_ND)
+                f_BTD = select.scatter_onto(gate.base, y_ND)
                 gate_scale_BT = (None if gate_scale_N is None  # 1 for skipped tokens, S / sg(S) for executed
-                                 else 1.0 + select.scatter((gate_scale_N - 1.0).unsqueeze(-1)).squeeze(-1))
-            f_BTD = f_BTD + gate.base.to(f_BTD.dtype)  # F(R_bar) + X_l executed, X_l skipped
+                                 else select.scatter_onto(gate_scale_N.new_ones(()), gate_scale_N - 1.0))
             step_BT = scale_BT if gate_scale_BT is None else scale_BT * gate_scale_BT
             new_log_norm_BT, new_direction_BTD = self.ops.update(log_norm_BT, direction_BTD, f_BTD, step_BT,
                                                                  self.eps)

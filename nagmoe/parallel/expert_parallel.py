@@ -46,6 +46,15 @@ class AllToAllDispatcher:
             raise ValueError(f"{n_experts} experts do not split over {ep_size} EP ranks")
         self.group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
         self.n_experts, self.n_local = n_experts, n_experts // ep_size
+        # this rank's all-to-all traffic since the last `take_traffic()`: training forwards only (the backward
+        # mirrors them; evaluation and guard re-runs under no_grad are left out), python ints from the split
+        # sizes already read, so counting costs no sync
+        self.traffic = {"calls": 0, "sent": 0, "received": 0}
+
+    def take_traffic(self) -> dict:
+        """{"calls", "sent", "received"} rows since the last call (tools/bench_ep_imbalance.py), then reset."""
+        out, self.traffic = self.traffic, {"calls": 0, "sent": 0, "received": 0}
+        return out
 
     def __repr__(self) -> str:
         return f"AllToAllDispatcher(ep={self.ep_size}, ep_rank={self.ep_rank}, local_experts={self.n_local})"
@@ -67,6 +76,10 @@ class AllToAllDispatcher:
         # the layer's one host read (issue 26's EP budget): the all-to-all split sizes, both directions
         send_sizes, recv_sizes = torch.stack([counts_E.view(P, L).sum(1).to(recv_PL.device),
                                               recv_PL.sum(1)]).tolist()
+        if torch.is_grad_enabled():
+            self.traffic["calls"] += 1
+            self.traffic["sent"] += sum(send_sizes)
+            self.traffic["received"] += sum(recv_sizes)
         # 2. tokens out
         x_RD = funcol.all_to_all_single_autograd(x_SD.contiguous(), recv_sizes, send_sizes, self.group)
         # 3. local experts, rows grouped expert-major

@@ -90,6 +90,38 @@ def test_executed_tokens_layouts_round_trip():
     padded = sel.to_padded(x_N)
     assert padded[1, 1:].abs().sum() == 0 and padded[2].abs().sum() == 0
     torch.testing.assert_close(sel.from_padded(padded), x_N)
+    # one-copy layouts: straight into the padded layout; base plus the executed rows in one pass
+    assert torch.equal(sel.from_padded(sel.gather_padded(x)), x_N)
+    assert torch.equal(sel.gather_padded(x)[valid], padded[valid])
+
+
+@pytest.mark.parametrize("B, T", [(3, 5), (1, 1), (2, 1)])  # (1, 1): one decoded token, the output is 1 row
+def test_one_pass_layouts_equal_the_two_pass_ones_with_their_gradients(B, T):
+    gen = torch.Generator().manual_seed(B * 10 + T)
+    mask = torch.rand(B, T, generator=gen) > 0.4
+    mask.view(-1)[0] = True
+    sel = ExecutedTokens(mask)
+    base = torch.randn(4, generator=gen, requires_grad=True)
+    y = torch.randn(sel.n, 4, generator=gen, requires_grad=True)
+    x = torch.randn(B, T, 4, generator=gen, requires_grad=True)
+    probe = torch.randn(B, T, 4, generator=gen)
+    fused = sel.scatter_onto(base, y)
+    reference = sel.scatter(y) + base
+    assert torch.equal(fused, reference)  # bit for bit: X_l + F executed, X_l skipped
+    grads = [torch.autograd.grad((out * probe).sum(), (base, y)) for out in (fused, reference)]
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want)
+    g_N = y[:, 0].detach()  # the MoE's gate scale S / sg(S): 1 for skipped tokens, its value for executed ones
+    scale = sel.scatter_onto(g_N.new_ones(()), g_N - 1.0)
+    assert torch.equal(scale, 1.0 + sel.scatter((g_N - 1.0).unsqueeze(-1)).squeeze(-1))
+    assert scale.shape == (B, T) and bool((scale[~mask] == 1).all())
+    _, valid = sel.padded()
+    one, two = sel.gather_padded(x), sel.to_padded(sel.gather(x))
+    assert torch.equal(one[valid], two[valid])
+    q_probe = torch.randn(sel.n, 4, generator=gen)  # only executed rows leave the padded layout
+    g_one, = torch.autograd.grad((sel.from_padded(one) * q_probe).sum(), x)
+    g_two, = torch.autograd.grad((sel.from_padded(two) * q_probe).sum(), x)
+    assert torch.equal(g_one, g_two)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "math"])
@@ -181,9 +213,16 @@ def test_gather_scatter_with_every_token_executed_equals_the_dense_path(attentio
             torch.testing.assert_close(model(idx).logits, plain(idx).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("attention, impl, ffn", [("gqa", "math", "dense"), ("cca", "sdpa", "moe")])
 @pytest.mark.parametrize("index", [2, 3])  # block 1's attention and FFN
-def test_skipped_token_update_is_the_base_vector_update_and_gates_learn_from_it(index):
-    model = mod_model("gqa", "math", "dense")
+def test_skipped_token_update_is_the_base_vector_update_and_gates_learn_from_it(index, attention, impl, ffn):
+    """Every path: MHA/GQA's flat queries and CCA's one-copy padded gather; the dense FFN and the MoE with its
+    gate scale scattered onto 1 (nagmoe/model/residual.py)."""
+    model = mod_model(attention, impl, ffn)
+    if ffn == "moe":  # expert outputs start at zero (w_out zero-init): give F something to say
+        with torch.no_grad():
+            for block in model.blocks:
+                block.ffn.w_out.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(3))
     stream, gate = model.stream, model.stream.gates[index]
     stream.set_injection_warmup(0.7)
     gen = torch.Generator().manual_seed(5)
@@ -207,7 +246,7 @@ def test_skipped_token_update_is_the_base_vector_update_and_gates_learn_from_it(
     # skipped tokens: NAG update with f = X_l only; executed: F(R_bar) + X_l (F's rows of the full batch)
     with torch.no_grad():
         scale = gate.alpha * m * 0.7
-        f_full, _ = sublayer(direction)
+        f_full = sublayer(direction)[0]
         ref_skip = nag_update(log_norm, direction, gate.base.expand_as(direction), scale)
         ref_exec = nag_update(log_norm, direction, f_full + gate.base, scale)
     for got, want_skip, want_exec in ((new_log_norm, ref_skip[0], ref_exec[0]),
