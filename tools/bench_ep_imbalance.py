@@ -89,9 +89,9 @@ def measure(config: str, steps: int, overrides=(), work: str = None) -> dict:
     work = work or tempfile.mkdtemp(prefix="ep_imbalance_")
     out = {}
     for name, extra in (("full_depth", ["model.mod.skip_rate=0"]), ("mod", [])):
-        cfg = load_config(config, ["parallel.ep=2", f"train.max_steps={steps}", f"train.schedule_steps={steps}",
-                                   "train.eval_every=0", "train.checkpoint_every=0", "log.wandb=off", *MOD_NOW,
-                                   *overrides, *extra])
+        cfg = load_config(config, [*overrides, "parallel.ep=2", f"train.max_steps={steps}",
+                                   f"train.schedule_steps={steps}", "train.eval_every=0", "train.checkpoint_every=0",
+                                   "log.wandb=off", *MOD_NOW, *extra])
         log = rank_run(cfg, os.path.join(work, name))
         logs = [None] * dist.get_world_size()
         dist.all_gather_object(logs, log)
