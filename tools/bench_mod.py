@@ -150,6 +150,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7, help="--block: paired repeats")
     ap.add_argument("--inner", type=int, default=3, help="--block: steps per variant and repeat (the fastest kept)")
     ap.add_argument("--rates", default=None, help="--block: comma-separated skip rates (default 0.1,0.2,0.3)")
+    ap.add_argument("--allocator", choices=("caching", "default"), default="caching",
+                    help="--block on CPU: glibc keeps freed memory like CUDA's caching allocator (default), or "
+                         "glibc's defaults (an mmap and page faults per large tensor)")
     ap.add_argument("--block-rows", type=int, default=1, help="--block: sequences of seq_len per step")
     ap.add_argument("--smoke", action="store_true", help="--block: tiny dims, 2 repeats (CI, gpu_check --cpu)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
@@ -162,7 +165,7 @@ def main(argv=None) -> int:
         result = bench_block(repeats=2 if args.smoke else args.repeats, rates=(0.2,) if args.smoke else
                              tuple(float(r) for r in args.rates.split(",")) if args.rates else RATES,
                              smoke=args.smoke, profile=args.profile > 0, inner=1 if args.smoke else args.inner,
-                             rows=args.block_rows, overrides=tuple(args.overrides))
+                             rows=args.block_rows, overrides=tuple(args.overrides), allocator=args.allocator)
     else:
         result = bench(args.config, args.rows, args.iters, args.warmup, overrides=tuple(args.overrides),
                        profile_steps=args.profile)

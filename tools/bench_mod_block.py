@@ -5,13 +5,17 @@ both sublayers against full depth (`python tools/bench_mod.py --block`).
 Method. One block, one set of weights, one input state (NAG direction and log-norm) with a gradient. For a
 skip rate r each sublayer's threshold is the r-quantile of its rotation scores on this input (the
 calibrator's `fixed`-style threshold per sublayer, set directly), so both sublayers skip r of the tokens.
-Repeats are interleaved and paired — full depth and every rate in turn, the order rotated each repeat — and
-timed in process CPU time (immune to other jobs on a shared machine; wall clock beside it). The speed-up of
-a rate is the median over repeats of full / MoD; its 95% confidence interval comes from a bootstrap over the
-paired repeats. The realised share is (speed-up - 1) / (charged-FLOP ratio - 1): the charged FLOPs
-(nagmoe.flops, non_embedding convention, executed tokens only) are what buys tokens under a budget; the
-executed FLOPs with attention's padded query rows are reported beside them. Verdict on the interval's lower
-bound (>= 0.8 meets issue 28's bar). `--profile` adds a table of self CPU time per step by kind of op.
+Repeats are paired: within a repeat the variants alternate step by step (the order rotated each repeat),
+`--inner` rounds, and each variant's fastest step is kept — the machine's speed drifts over seconds on a shared
+VM, so only neighbouring steps compare, and a neighbour's burst inflates one step, not the minimum. Timed in
+process CPU time (immune to other jobs on a shared machine; wall clock beside it). On CPU, glibc is told to
+keep freed memory (`--allocator caching`, the default: what CUDA's caching allocator does) so large tensors
+are not fresh mmaps paying page faults each step. The speed-up of a rate is the median over repeats of
+full / MoD; its 95% confidence interval comes from a bootstrap over the paired repeats. The realised share
+is (speed-up - 1) / (charged-FLOP ratio - 1): the charged FLOPs (nagmoe.flops, non_embedding convention,
+executed tokens only) are what buys tokens under a budget; the executed FLOPs with attention's padded query
+rows are reported beside them. Verdict on the interval's lower bound (>= 0.8 meets issue 28's bar).
+`--profile` adds a table of self CPU time per step by kind of op.
 """
 from __future__ import annotations
 
@@ -35,6 +39,23 @@ KINDS = (("experts", ("_grouped_mm",)), ("scores", ("scaled_dot_product", "softm
          ("masks", ("arange", "aten::le", "aten::lt", "aten::gt", "where", "cumsum", "cummax", "masked")),
          ("NAG elementwise", ("mul", "add", "sub", "div", "rsqrt", "sqrt", "exp", "log", "sigmoid", "pow",
                               "sum", "mean", "clamp", "atan", "tanh", "relu", "square")))
+
+
+def use_caching_allocator() -> bool:
+    """Make glibc keep freed memory for reuse, as CUDA's caching allocator does: no mmap per large tensor
+    (M_MMAP_THRESHOLD 1 GiB) and no trimming (M_TRIM_THRESHOLD 2 GiB). Without it every activation of more than
+    32 MB is a fresh mmap whose pages fault in (zeroed) on first touch: at r40 shape ~20% of a CPU step, and the
+    largest source of step-to-step noise. False where the C library has no mallopt (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 31))
 
 
 def build_block(overrides=(), seed: int = 0, device: str = "cpu"):
@@ -152,10 +173,12 @@ def profile_table(model, state, probe, steps: int = 2) -> dict:
 
 
 def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = False, profile: bool = False,
-                seed: int = 0, device: str = None, inner: int = 3, overrides=()) -> dict:
+                seed: int = 0, device: str = None, inner: int = 3, overrides=(), allocator: str = "caching") -> dict:
     from nagmoe.flops import executed_flops_per_token, flops_per_token
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if allocator == "caching" and device == "cpu" and not use_caching_allocator():
+        allocator = "default (no mallopt here)"
     cfg, model = build_block((*(SMOKE if smoke else ()), *overrides), seed, device)
     state = block_input(cfg, rows, seed, device)
     probe = torch.randn(state.direction_BTD.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
@@ -203,7 +226,8 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
             "verdict": "meets (lower bound >= 0.8)" if share(lo) >= 0.8 else "below 0.8 at the lower bound"})
     result = {"benchmark": "mod_block", "config": os.path.relpath(CONFIG, REPO), "smoke": smoke,
               "d_model": m.d_model, "experts": m.moe.n_experts, "top_k": m.moe.top_k, "seq_len": T, "rows": rows,
-              "repeats": repeats, "inner": inner, "overrides": list(overrides), "threads": torch.get_num_threads(), "device": device,
+              "repeats": repeats, "inner": inner, "overrides": list(overrides),
+              "allocator": allocator if device == "cpu" else "cuda caching", "threads": torch.get_num_threads(), "device": device,
               "timing": "synchronised wall clock" if device == "cuda" else "process CPU time",
               "full_cpu_s_median": statistics.median(cpu[0.0]), "rates": out_rates}
     if profile:

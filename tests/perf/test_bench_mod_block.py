@@ -18,6 +18,7 @@ def test_block_benchmark_smoke_reports_every_field(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["benchmark"] == "mod_block" and result["smoke"] and result["device"] == "cpu"
+    assert result["allocator"] == "caching" and result["timing"] == "process CPU time"  # glibc: mallopt took
     (row,) = result["rates"]
     assert row["skip_rate"] == 0.2
     assert all(abs(f - 0.8) < 0.02 for f in row["executed_fractions"])  # both sublayers skip ~20% of the tokens
