@@ -164,7 +164,8 @@ def main(argv=None) -> int:
 
         result = bench_block(repeats=2 if args.smoke else args.repeats, rates=(0.2,) if args.smoke else
                              tuple(float(r) for r in args.rates.split(",")) if args.rates else RATES,
-                             smoke=args.smoke, profile=args.profile > 0, inner=1 if args.smoke else args.inner,
+                             smoke=args.smoke, profile=args.profile > 0,
+                             profile_steps=max(1, args.profile), inner=1 if args.smoke else args.inner,
                              rows=args.block_rows, overrides=tuple(args.overrides), allocator=args.allocator)
     else:
         result = bench(args.config, args.rows, args.iters, args.warmup, overrides=tuple(args.overrides),

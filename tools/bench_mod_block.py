@@ -158,22 +158,27 @@ def bootstrap_median_ci(ratios: list, draws: int = 2000, seed: int = 0) -> tuple
     return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
 
-def profile_table(model, state, probe, steps: int = 2) -> dict:
+def profile_table(model, state, probe, variants: dict, steps: int = 2) -> dict:
+    """Self CPU seconds per step by kind of op, per variant (`variants`: label -> (thresholds, skipping)). The
+    variants take turns one profiled step at a time, like the timed repeats, so a drift of the machine's speed
+    hits them alike; `steps` rounds, averaged."""
     from torch.profiler import profile
 
-    with profile() as prof:
-        for _ in range(steps):
-            step_seconds(model, state, probe)
-    table = {name: 0.0 for name, _ in KINDS}
-    table["other"] = 0.0
-    for e in prof.key_averages():
-        kind = next((name for name, keys in KINDS if any(k in e.key for k in keys)), "other")
-        table[kind] += e.self_cpu_time_total / 1e6 / steps
-    return {k: round(v, 4) for k, v in table.items()}
+    tables = {label: {**{name: 0.0 for name, _ in KINDS}, "other": 0.0} for label in variants}
+    for _ in range(steps):
+        for label, (threshold, skipping) in variants.items():
+            use_thresholds(model, threshold, skipping)
+            with profile() as prof:
+                step_seconds(model, state, probe)
+            for e in prof.key_averages():
+                kind = next((name for name, keys in KINDS if any(k in e.key for k in keys)), "other")
+                tables[label][kind] += e.self_cpu_time_total / 1e6 / steps
+    return {label: {k: round(v, 4) for k, v in table.items()} for label, table in tables.items()}
 
 
 def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = False, profile: bool = False,
-                seed: int = 0, device: str = None, inner: int = 3, overrides=(), allocator: str = "caching") -> dict:
+                profile_steps: int = 2, seed: int = 0, device: str = None, inner: int = 3, overrides=(),
+                allocator: str = "caching") -> dict:
     from nagmoe.flops import executed_flops_per_token, flops_per_token
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -231,10 +236,9 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
               "timing": "synchronised wall clock" if device == "cuda" else "process CPU time",
               "full_cpu_s_median": statistics.median(cpu[0.0]), "rates": out_rates}
     if profile:
-        result["profile_s_per_step"] = {}
-        for r in (0.0, 0.2 if 0.2 in variants else rates[0]):
-            use_thresholds(model, thresholds[r], r > 0)
-            result["profile_s_per_step"][f"skip {r:.0%}"] = profile_table(model, state, probe)
+        result["profile_s_per_step"] = profile_table(
+            model, state, probe, {f"skip {r:.0%}": (thresholds[r], r > 0)
+                                  for r in (0.0, 0.2 if 0.2 in variants else rates[0])}, steps=profile_steps)
     return result
 
 
