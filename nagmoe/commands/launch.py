@@ -131,12 +131,12 @@ def _run_preflight(args, opts, cfg, run_dir: str, config_yaml: str) -> int:
 def _warn_memory(cfg, opts, gpu_memory_gb: float) -> None:
     """The per-rank estimate of this layout (nagmoe/train/memory.py) on stderr, with a warning when it does
     not fit one GPU of `gpu_memory_gb` GB."""
-    from nagmoe.train.memory import GIB, estimate_memory
+    from nagmoe.train.memory import GIB, estimate_memory, micro_batch_rows
 
     if not gpu_memory_gb > 0:
         raise UserError(f"--gpu-memory: {gpu_memory_gb} must be > 0 (GB)")
     world = opts.nodes * opts.procs_per_node
-    tokens = cfg.train.micro_batch_tokens or cfg.train.batch_tokens // world
+    tokens = max(1, micro_batch_rows(cfg, world)) * cfg.data.seq_len  # the trainer's micro-batch
     est = estimate_memory(cfg, cfg.parallel.ep, tokens, "cuda", world)
     need = est["total"] / 1e9
     line = (f"[nagmoe] memory estimate per rank: {need:.1f} GB ({est['total'] / GIB:.1f} GiB: activations "

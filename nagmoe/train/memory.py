@@ -235,6 +235,14 @@ def estimate_memory(cfg, ep: Optional[int] = None, micro_batch_tokens: Optional[
     return out
 
 
+def micro_batch_rows(cfg, world_size: int) -> int:
+    """Rows (sequences of data.seq_len) one rank runs per micro-step, the trainer's rule: this rank's share of
+    train.batch_tokens, or fewer when train.micro_batch_tokens asks for gradient accumulation."""
+    t, seq = cfg.train, cfg.data.seq_len
+    rank_rows = t.batch_tokens // seq // max(1, world_size)
+    return min(rank_rows, t.micro_batch_tokens // seq) if t.micro_batch_tokens else rank_rows
+
+
 def eager_memory_refusal(cfg, device_memory_bytes: int, ep: int, world_size: int) -> Optional[str]:
     """The one-line refusal of a CUDA layout that runs eager (`train.compile` off on CUDA) and whose memory
     estimate (nagmoe.train.memory.estimate_memory, the one estimator) exceeds `device_memory_bytes`; None when
@@ -244,10 +252,7 @@ def eager_memory_refusal(cfg, device_memory_bytes: int, ep: int, world_size: int
 
     if resolve_compile(cfg.train.compile, "cuda"):
         return None
-    t, seq = cfg.train, cfg.data.seq_len
-    rank_rows = max(1, t.batch_tokens // seq // max(1, world_size))
-    rows = min(rank_rows, t.micro_batch_tokens // seq) if t.micro_batch_tokens else rank_rows
-    tokens = max(1, rows) * seq
+    tokens = max(1, micro_batch_rows(cfg, world_size)) * cfg.data.seq_len
     est = estimate_memory(cfg, ep=ep, micro_batch_tokens=tokens, device="cuda", world_size=world_size)
     if est["total"] <= device_memory_bytes:
         return None

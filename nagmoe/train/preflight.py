@@ -95,7 +95,7 @@ def run_preflight(directory: str, steps: int = 3, gpu_memory_gb: Optional[float]
         peaks = [peak]
     if rank != 0:
         return None
-    tokens = cfg.train.micro_batch_tokens or cfg.train.batch_tokens // world
+    tokens = trainer.micro_rows * cfg.data.seq_len  # what each rank ran per micro-step
     est_here = estimate_memory(cfg, cfg.parallel.ep, tokens, device.type, world)["total"]
     est_cuda = est_here if device.type == "cuda" else estimate_memory(cfg, cfg.parallel.ep, tokens, "cuda", world)["total"]
     capacity = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"

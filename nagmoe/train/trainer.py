@@ -50,7 +50,7 @@ from nagmoe.train.preemption import PreemptionWatch
 from nagmoe.checkpoint.run_dir import adopt_legacy_values, prepare_run_dir, write_run_info, write_summary
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
 from nagmoe.train.checkpoint_schedule import CheckpointSchedule, save_error
-from nagmoe.train.memory import eager_memory_refusal
+from nagmoe.train.memory import eager_memory_refusal, micro_batch_rows
 from nagmoe.train.progress_log import ProgressLog
 from nagmoe.train.speed import compile_model, enable_activation_checkpointing, resolve_compile, sdpa_backends
 
@@ -110,7 +110,7 @@ class Trainer:
         if self.global_rows % world_size:
             raise UserError(f"train.batch_tokens: {self.global_rows} rows do not split over {world_size} ranks")
         rank_rows = self.global_rows // world_size
-        self.micro_rows = min(rank_rows, (t.micro_batch_tokens // seq) if t.micro_batch_tokens else rank_rows)
+        self.micro_rows = micro_batch_rows(cfg, world_size)
         if rank_rows % self.micro_rows:
             raise UserError(f"train.micro_batch_tokens: {self.micro_rows} rows per micro-step do not divide "
                             f"the {rank_rows} rows of this rank")
