@@ -18,7 +18,6 @@ and the load matrix), `val_loss` (nats per token) and `val_bpb`, and `notes`.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 from typing import Iterable, Optional
@@ -198,6 +197,11 @@ def analyze_model(model, batches: list, device="cpu", bos_id: Optional[int] = No
     return result
 
 
+def analysis_rows(cfg, batch_rows: int) -> int:
+    """Windows per forward: at most `batch_rows`, fewer when their logits would exceed LOGIT_BUDGET."""
+    return max(1, min(batch_rows, LOGIT_BUDGET // (cfg.data.seq_len * cfg.model.vocab_size)))
+
+
 def analyze_run(run_dir: str, device: str = "cpu", max_tokens: int = DEFAULT_TOKENS, batch_rows: int = 8,
                 n_bins: int = 10) -> dict:
     """Load the run's latest valid checkpoint and analyse it on its validation split."""
@@ -209,7 +213,7 @@ def analyze_run(run_dir: str, device: str = "cpu", max_tokens: int = DEFAULT_TOK
     run = load_run(run_dir, device)
     cfg = run.config
     seq_len = cfg.data.seq_len
-    rows = max(1, min(batch_rows, LOGIT_BUDGET // (seq_len * cfg.model.vocab_size)))
+    rows = analysis_rows(cfg, batch_rows)
     # twice the tokens: the first half analysed, the rest calibrates the compute dial (disjoint tokens)
     both, windows = validation_batches(cfg.data.data_dir, seq_len, rows, 2 * max_tokens, cfg.data.verify_shards)
     batches, calibration = split_batches(both, max_tokens)
@@ -230,14 +234,14 @@ def analyze_milestones(run_dir: str, device: str = "cpu", max_tokens: int = DEFA
     (`train.keep_milestone_every_tokens`, never pruned) and the latest one, each measured on the same
     validation windows; oldest first."""
     from nagmoe.checkpoint import load_model_weights
-    from nagmoe.checkpoint.files import STATE, list_checkpoints
+    from nagmoe.checkpoint.files import list_checkpoints, read_checkpoint_state
     from nagmoe.checkpoint.publish import is_milestone
     from nagmoe.data.bpb import token_bytes
     from nagmoe.eval.generate import load_run
 
     run = load_run(run_dir, device)
     cfg = run.config
-    rows = max(1, min(batch_rows, LOGIT_BUDGET // (cfg.data.seq_len * cfg.model.vocab_size)))
+    rows = analysis_rows(cfg, batch_rows)
     batches, _ = validation_batches(cfg.data.data_dir, cfg.data.seq_len, rows, max_tokens, cfg.data.verify_shards)
     tb = token_bytes(cfg.data.data_dir)
     series = []
@@ -246,8 +250,7 @@ def analyze_milestones(run_dir: str, device: str = "cpu", max_tokens: int = DEFA
         if not milestone and os.path.abspath(path) != os.path.abspath(run.checkpoint):
             continue
         load_model_weights(path, run.model)  # verifies the manifest first
-        with open(os.path.join(path, STATE)) as f:
-            tokens = json.load(f).get("extra", {}).get("progress", {}).get("tokens")
+        tokens = read_checkpoint_state(path).get("extra", {}).get("progress", {}).get("tokens")
         m = measure(run.model, batches, device, run.bos_id, tb, detailed=False)
         stats = m.stats.mean()
         loss, bpb = _loss_bpb(m)

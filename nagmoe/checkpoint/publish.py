@@ -9,12 +9,11 @@ that looks like a checkpoint). Rank 0 alone runs this; the engines call it betwe
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
 from nagmoe.checkpoint.files import (CHECKPOINTS, MANIFEST, STATE, checkpoint_name, describe_files, fsync_dir,
-                                     is_valid_checkpoint, list_checkpoints, write_json)
+                                     is_valid_checkpoint, list_checkpoints, read_checkpoint_state, write_json)
 
 
 def save_paths(run_dir: str, step: int, tag: str) -> tuple[str, str, str]:
@@ -39,8 +38,7 @@ def remove_dir(path: str, tag: str) -> None:
 def is_milestone(path: str) -> bool:
     """A checkpoint saved as a milestone (`train.keep_milestone_every_tokens`): never pruned."""
     try:
-        with open(os.path.join(path, STATE)) as f:
-            return bool(json.load(f).get("extra", {}).get("milestone", False))
+        return bool(read_checkpoint_state(path).get("extra", {}).get("milestone", False))
     except (OSError, ValueError):
         return False
 
