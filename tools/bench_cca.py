@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -30,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nagmoe.config import load_config  # noqa: E402
 from nagmoe.flops import forward_flops_per_token, param_counts  # noqa: E402
 from nagmoe.model.attention import AttentionCache, build_attention  # noqa: E402
+from bench_output import emit_json  # noqa: E402  (tools/)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,11 +126,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     result = bench(args.config, args.seq_len, args.batch, args.iters, args.warmup)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(result, args.out, indent=1)
     return 0
 
 

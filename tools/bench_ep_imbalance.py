@@ -14,7 +14,6 @@ over steps and layers, for received and sent rows, beside the mean executed shar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -26,6 +25,8 @@ import torch.multiprocessing as mp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from bench_output import emit_json  # noqa: E402  (tools/)
 
 # MoD from the first step (no warm-up), so a short run measures the regime of a long one
 MOD_NOW = ("model.mod.start_tokens=0", "model.nag.warmup_tokens=0")
@@ -116,16 +117,6 @@ def _child(rank: int, port: int, config: str, steps: int, overrides: list, work:
         shutdown_distributed()
 
 
-def ensure_data(config: str, overrides=()) -> None:
-    from nagmoe.config import load_config
-    from nagmoe.data import shards
-    from nagmoe.data.prepare import prepare_single
-
-    cfg = load_config(config, list(overrides))
-    if not os.path.exists(os.path.join(cfg.data.data_dir, shards.INDEX)):
-        prepare_single(cfg)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=os.path.join(REPO, "configs/tiny-mod20.yaml"))
@@ -134,7 +125,10 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
     os.chdir(REPO)  # the configs' data paths are relative to the repository
-    ensure_data(args.config, args.overrides)
+    from nagmoe.config import load_config
+    from nagmoe.data.prepare import ensure_prepared
+
+    ensure_prepared(load_config(args.config, args.overrides))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -150,11 +144,7 @@ def main(argv=None) -> int:
         p.join()
     result = {"benchmark": "ep_imbalance", "config": os.path.relpath(args.config, REPO), "ep": 2,
               "backend": "gloo", "overrides": args.overrides, **result}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(result, args.out)
     return 0
 
 

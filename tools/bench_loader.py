@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -23,8 +22,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from nagmoe.config import load_config  # noqa: E402
 from nagmoe.data import shards  # noqa: E402
 from nagmoe.data.loader import TokenLoader, iter_eval_batches  # noqa: E402
+from nagmoe.data.prepare import ensure_prepared  # noqa: E402
+from bench_output import emit_json  # noqa: E402  (tools/)
 
 
 def synthetic_data_dir(root: str, n_tokens: int, vocab_size: int, shard_tokens: int, seed: int = 0) -> str:
@@ -51,16 +53,6 @@ def synthetic_data_dir(root: str, n_tokens: int, vocab_size: int, shard_tokens: 
     data_dir = os.path.join(root, "data")
     shards.merge_parts(data_dir, [part], tok, verify=False)
     return data_dir
-
-
-def ensure_prepared(config: str) -> str:
-    from nagmoe.config import load_config
-    from nagmoe.data.prepare import prepare_single
-
-    cfg = load_config(config)
-    if not os.path.isfile(os.path.join(cfg.data.data_dir, shards.INDEX)):
-        prepare_single(cfg)
-    return cfg.data.data_dir
 
 
 def bench_case(data_dir: str, seq_len: int, rows: int, world_size: int, steps: int, warmup: int) -> dict:
@@ -102,7 +94,7 @@ def main(argv=None) -> int:
         if args.synthetic:
             data_dir = synthetic_data_dir(tmp, args.synthetic, args.vocab_size, shard_tokens=1 << 24)
         else:
-            data_dir = args.data_dir or ensure_prepared(args.config)
+            data_dir = args.data_dir or ensure_prepared(load_config(args.config))
         cases = [bench_case(data_dir, t, b, args.world_size, args.steps, args.warmup)
                  for t, b in zip(args.seq_len, args.batch_rows)]
         index = shards.read_index(data_dir)
@@ -111,11 +103,7 @@ def main(argv=None) -> int:
               "data": {"source": "synthetic" if args.synthetic else data_dir, "dtype": index["dtype"],
                        "train_tokens": index["totals"]["train"]["n_tokens"]},
               "cases": cases}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(result, args.out, indent=1)
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -34,6 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nagmoe.config import load_config  # noqa: E402
 from nagmoe.flops import flops_per_token  # noqa: E402
 from nagmoe.model import build_model  # noqa: E402
+from bench_output import emit_json  # noqa: E402  (tools/)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -171,11 +172,7 @@ def main(argv=None) -> int:
     else:
         result = bench(args.config, args.rows, args.iters, args.warmup, overrides=tuple(args.overrides),
                        profile_steps=args.profile)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(result, args.out)
     return 0
 
 

@@ -63,8 +63,8 @@ def build_block(overrides=(), seed: int = 0, device: str = "cpu"):
     from nagmoe.config import load_config
     from nagmoe.model import build_model
 
-    cfg = load_config(CONFIG, ["model.n_layers=1", "parallel.ep=1", "model.mod.threshold=fixed", "model.mod.p_thres=0.5",
-                               "model.mod.start_tokens=0", *overrides])
+    cfg = load_config(CONFIG, ["model.n_layers=1", "parallel.ep=1", "model.mod.threshold=fixed",
+                               "model.mod.p_thres=0.5", "model.mod.start_tokens=0", *overrides])
     torch.manual_seed(seed)
     model = build_model(cfg.model, device=device).train()
     model.set_mod_seq_len(cfg.data.seq_len)
@@ -83,18 +83,13 @@ def block_input(cfg, rows: int, seed: int = 0, device: str = "cpu"):
 
 def set_skip(model, state, rate: float) -> list:
     """Thresholds so that each sublayer skips `rate` of this input's tokens; the executed fractions."""
-    from nagmoe.model.nag import rotation_score
-
-    stream, cal = model.stream, model.mod_calibrator()
+    cal = model.mod_calibrator()
     with torch.no_grad():
         cal.skipping.fill_(rate > 0)
         cal.threshold.fill_(-1.0)
         state_k = state
-        for index, sublayer in enumerate(model.sublayers()):
-            gate = stream.gates[index]
-            m = stream.ops.modulator(state_k.direction_BTD, gate.weight, gate.bias, gate.coef, gate.beta_raw,
-                                     gate.floor)
-            score = rotation_score(gate.alpha, m)
+        for index, _ in enumerate(model.sublayers()):
+            score = _scores(model, state_k, index)
             cal.threshold[index] = torch.quantile(score.flatten().float(), rate) if rate > 0 else -1.0
             state_k = run_block(model, state, upto=index + 1)  # the next sublayer's input
     return [float(f) for f in executed_fractions(model, state)]
@@ -232,7 +227,8 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
     result = {"benchmark": "mod_block", "config": os.path.relpath(CONFIG, REPO), "smoke": smoke,
               "d_model": m.d_model, "experts": m.moe.n_experts, "top_k": m.moe.top_k, "seq_len": T, "rows": rows,
               "repeats": repeats, "inner": inner, "overrides": list(overrides),
-              "allocator": allocator if device == "cpu" else "cuda caching", "threads": torch.get_num_threads(), "device": device,
+              "allocator": allocator if device == "cpu" else "cuda caching", "threads": torch.get_num_threads(),
+              "device": device,
               "timing": "synchronised wall clock" if device == "cuda" else "process CPU time",
               "full_cpu_s_median": statistics.median(cpu[0.0]), "rates": out_rates}
     if profile:
@@ -243,6 +239,7 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
 
 
 def _scores(model, state, index):
+    """Sublayer `index`'s rotation scores for the tokens of `state` (its input)."""
     from nagmoe.model.nag import rotation_score
 
     gate = model.stream.gates[index]

@@ -20,9 +20,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from nagmoe import experiment as ex  # noqa: E402
-from nagmoe.data import shards  # noqa: E402
 from nagmoe.data.bpb import unigram_bpb  # noqa: E402
-from nagmoe.data.prepare import prepare_single  # noqa: E402
+from nagmoe.data.prepare import ensure_prepared  # noqa: E402
 from nagmoe.errors import UserError  # noqa: E402
 
 EXPERIMENT = "configs/experiments/demo.yaml"
@@ -54,9 +53,7 @@ def main(argv=None) -> int:
     exp = ex.load_experiment(EXPERIMENT)
     plans = exp.plan(args.runs_root, overrides=tuple(args.overrides))
     cfg = plans[0].config
-    if not os.path.isfile(os.path.join(cfg.data.data_dir, shards.INDEX)):
-        print(f"[demo] preparing {cfg.data.corpus} into {cfg.data.data_dir}", flush=True)
-        prepare_single(cfg)
+    ensure_prepared(cfg, log=lambda line: print(f"[demo] {line}", flush=True))
     t_data = time.time() - t0
     unigram = unigram_bpb(cfg.data.data_dir)
     print(f"[demo] unigram bpb of the validation split: {unigram:.4f}", flush=True)

@@ -10,7 +10,7 @@
 #              bf16 matmul), peak memory vs the estimate, host syncs per step, losses, MoD's realised skip and
 #              wall-clock gain vs its FLOP gain, NAG / baseline step time; eager fallback recorded as such
 #   resume     a 4-layer nag-mod20-r40 saved and resumed through the Trainer: losses match the straight run
-#   mod_block  the MoD block benchmark's slot (tools/bench_mod.py --block, issue 28; "pending" until it exists)
+#   mod_block  the MoD block benchmark (tools/bench_mod.py --block, issue 28) at the paper's 16-row micro-batch
 #   env        the blocker below is active, imports, versions;  tests: tests/gpu/ (gpu-marked);
 #   dcp        a DCP checkpoint of this torch read back through the restricted unpickler (.metadata kept)
 # Each limit is also capped by what is left of the script's budget (GPU_CHECK_BUDGET seconds: 350, --cpu 170).

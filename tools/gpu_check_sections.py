@@ -6,7 +6,7 @@ the section ends (an atomic rewrite), so a failing, killed or timed-out section 
     python tools/gpu_check_sections.py record  NAME --out DIR --status timeout --seconds S --error TEXT
     python tools/gpu_check_sections.py summary --out DIR
 
-bench.json: {"mode", "date", "machine", "sections": {NAME: {"status": ok|failed|timeout|pending|running,
+bench.json: {"mode", "date", "machine", "sections": {NAME: {"status": ok|failed|timeout|running,
 "seconds", "result" and/or "error"}}}. `run` marks its section "running" first (a partial "result" may follow,
 e.g. after each training config), then ok or failed; `record` is the shell's word for a process that could
 not write its own end (killed at its time limit, crashed): it replaces only a missing or "running" status.
@@ -184,14 +184,11 @@ def section_dcp(ctx: Ctx) -> dict:
 def section_mod_block(ctx: Ctx) -> dict:
     """The MoD block benchmark's slot (issue 28): `tools/bench_mod.py --block --out FILE` at the paper's
     micro-batch on the GPU, `--smoke` in --cpu mode; its JSON is this section's result."""
-    source = open(os.path.join(REPO, "tools/bench_mod.py")).read()
-    if '"--block"' not in source:
-        return {"status": "pending", "reason": "tools/bench_mod.py --block not built yet (issue 28)"}
     path = os.path.join(ctx.work, "mod_block.json")
     cmd = [sys.executable, os.path.join(REPO, "tools/bench_mod.py"), "--block", "--out", path]
-    if ctx.mode == "cpu" and '"--smoke"' in source:
+    if ctx.mode == "cpu":
         cmd.append("--smoke")
-    elif ctx.mode != "cpu":  # the paper's micro-batch (16 rows of 2048 per device): one row cannot fill a GPU
+    else:  # the paper's micro-batch (16 rows of 2048 per device): one row cannot fill a GPU
         cmd += ["--block-rows", "16", "--repeats", "10"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     sys.stdout.write(proc.stdout[-3000:] + proc.stderr[-3000:])
@@ -235,9 +232,7 @@ def cmd_run(args) -> int:
         if args.name in fail:
             raise RuntimeError(f"deliberate failure (GPU_CHECK_FAIL={os.environ['GPU_CHECK_FAIL']})")
         result = sections()[args.name](ctx)
-        status = result.pop("status", "ok")
-        entry = {"status": status, **({"reason": result.pop("reason")} if "reason" in result else {}),
-                 **({"result": result} if result else {})}
+        entry = {"status": "ok", **({"result": result} if result else {})}
     except BaseException as e:  # noqa: BLE001 (every failure is recorded; KeyboardInterrupt too)
         traceback.print_exc()
         entry = {"status": "failed", "error": one_line(e),
@@ -250,7 +245,7 @@ def cmd_run(args) -> int:
     put(args.out, args.name, finite(entry))
     print(f"[gpu_check] {args.name}: {entry['status']}"
           + (f": {entry['error']}" if "error" in entry else ""), file=sys.stderr)
-    return 0 if entry["status"] in ("ok", "pending") else 1
+    return 0 if entry["status"] == "ok" else 1
 
 
 def cmd_record(args) -> int:
@@ -270,7 +265,7 @@ def cmd_summary(args) -> int:
     data = load(args.out)
     print(f"\n== summary ({data.get('mode')} mode): {os.path.join(args.out, BENCH)}")
     for name, s in data["sections"].items():
-        note = s.get("error") or s.get("reason") or ""
+        note = s.get("error") or ""
         print(f"{name:<10} {s.get('status', '?'):<8} {_fmt(s.get('seconds'), '.0f'):>4}s  {note[:110]}")
     train = data["sections"].get("train_r40", {}).get("result", {})
     configs = train.get("configs", {})

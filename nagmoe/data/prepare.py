@@ -23,7 +23,7 @@ import os
 import shutil
 import sys
 from collections import deque
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -196,6 +196,16 @@ def prepare_single(cfg, max_chars: int = TOKENIZER_CHARS) -> dict:
         return shards.merge_parts(cfg.data.data_dir, [part], tok_path, verify=False)  # just written
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def ensure_prepared(cfg, log: Optional[Callable[[str], None]] = None) -> str:
+    """`prepare_single(cfg)` unless `data.data_dir` already holds a prepared index; returns the data dir. `log`
+    hears one line before a preparation starts."""
+    if not os.path.isfile(os.path.join(cfg.data.data_dir, shards.INDEX)):
+        if log is not None:
+            log(f"preparing {cfg.data.corpus} into {cfg.data.data_dir}")
+        prepare_single(cfg)
+    return cfg.data.data_dir
 
 
 def prepare_tokenizer_only(cfg, max_chars: int = TOKENIZER_CHARS) -> str:
