@@ -5,6 +5,7 @@ side with the executed-FLOP ratio, written as JSON.
     python tools/bench_mod.py --config configs/tiny-mod20.yaml --rows 8 --iters 10 --out bench_mod.json
     python tools/bench_mod.py --block [--repeats 7 --inner 3 --rates 0.1,0.2,0.3 --block-rows 1 --profile 2
                                        --allocator caching --threads 1 --smoke] [overrides]   # bench_mod_block.py
+    python tools/bench_mod.py --block --attention-kernels [--repeats 15 --inner 3 --smoke]   # the score kernel
 
 One model, one set of weights: the MoD variant uses thresholds at the config's skip rate, taken from the score
 histograms of a calibration forward (`set_mod_skip_rate`, as the generate dial does); the full-depth variant
@@ -157,11 +158,20 @@ def main(argv=None) -> int:
                          "glibc's defaults (an mmap and page faults per large tensor)")
     ap.add_argument("--block-rows", type=int, default=1, help="--block: sequences of seq_len per step")
     ap.add_argument("--smoke", action="store_true", help="--block: tiny dims, 2 repeats (CI, gpu_check --cpu)")
+    ap.add_argument("--attention-kernels", action="store_true",
+                    help="--block: only the attention score kernel, full causal vs 20%% skipped through the "
+                         "blocked SDPA and the chunked CPU kernel (median time ratios)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.block:
+    if args.block and args.attention_kernels:
+        from bench_mod_block import bench_attention_kernels
+
+        result = bench_attention_kernels(rows=args.block_rows, repeats=2 if args.smoke else args.repeats,
+                                         inner=1 if args.smoke else args.inner, smoke=args.smoke,
+                                         overrides=tuple(args.overrides))
+    elif args.block:
         from bench_mod_block import RATES, bench_block
 
         result = bench_block(repeats=2 if args.smoke else args.repeats, rates=(0.2,) if args.smoke else

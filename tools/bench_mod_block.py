@@ -220,6 +220,7 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
         out_rates.append({
             "skip_rate": r, "executed_fractions": fractions[r], "padded_attention_rows": padded[r][0],
             "cpu_speedup_median": speedup, "cpu_speedup_ci95": [lo, hi],
+            "cpu_speedup_per_repeat": [round(x, 4) for x in ratios],
             "wall_speedup_median": statistics.median(f / x for f, x in zip(wall[0.0], wall[r])),
             "charged_flop_ratio": charged, "executed_flop_ratio_with_padding": executed,
             "realised_share": share(speedup), "realised_share_ci95": [share(lo), share(hi)],
@@ -230,12 +231,67 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
               "allocator": allocator if device == "cpu" else "cuda caching", "threads": torch.get_num_threads(),
               "device": device,
               "timing": "synchronised wall clock" if device == "cuda" else "process CPU time",
-              "full_cpu_s_median": statistics.median(cpu[0.0]), "rates": out_rates}
+              "full_cpu_s_median": statistics.median(cpu[0.0]),
+              "full_cpu_s_range": [min(cpu[0.0]), max(cpu[0.0])], "rates": out_rates}
     if profile:
         result["profile_s_per_step"] = profile_table(
             model, state, probe, {f"skip {r:.0%}": (thresholds[r], r > 0)
                                   for r in (0.0, 0.2 if 0.2 in variants else rates[0])}, steps=profile_steps)
     return result
+
+
+def bench_attention_kernels(rows: int = 1, repeats: int = 15, inner: int = 3, rate: float = 0.2, seed: int = 0,
+                            smoke: bool = False, overrides=()) -> dict:
+    """The attention sublayer's score kernel alone at r40 shape (forward + backward, process CPU time): full
+    causal attention over every query against the executed queries (`rate` skipped by the block's own rotation
+    scores) through the blocked SDPA with its explicit mask and through the chunked CPU kernel
+    (nagmoe/ops/position_attention.py). Variants alternate step by step, `inner` rounds per repeat (fastest
+    kept); the median over repeats of each variant's time over full causal's."""
+    from nagmoe.model.attention import attention_at_positions, causal_attention
+    from nagmoe.model.mod import ExecutedTokens
+    from nagmoe.ops.position_attention import POSITION_CHUNK
+
+    cfg, model = build_block((*(SMOKE if smoke else ()), *overrides), seed)
+    state = block_input(cfg, rows, seed)
+    with torch.no_grad():
+        score = _scores(model, state, 0)
+        mask = score > torch.quantile(score.flatten().float(), rate)
+    attn, T = model.blocks[0].attn, cfg.data.seq_len
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, attn.n_heads, T, attn.head_dim, generator=g)
+    k, v = (torch.randn(rows, attn.n_kv_heads, T, attn.head_dim, generator=g) for _ in range(2))
+    chunk = 32 if smoke else POSITION_CHUNK  # the smoke's 128 positions still make several chunks
+    sel = ExecutedTokens(mask, chunk=chunk)
+    positions, _ = sel.padded()
+    q_exec = sel.gather_padded(q.transpose(1, 2)).transpose(1, 2).contiguous()
+    variants = {
+        "full causal": (q, lambda q_, k_, v_: causal_attention(q_, k_, v_, "sdpa")),
+        "blocked sdpa": (q_exec, lambda q_, k_, v_: attention_at_positions(
+            q_, k_, v_, "sdpa", positions, key_ends=sel.key_ends)),
+        "chunked": (q_exec, lambda q_, k_, v_: attention_at_positions(
+            q_, k_, v_, "sdpa", positions, key_ends=sel.key_ends, chunks=sel.position_chunks(0))),
+    }
+
+    def seconds(q0, fn):
+        q_, k_, v_ = (t.clone().requires_grad_(True) for t in (q0, k, v))
+        c0 = time.process_time()
+        fn(q_, k_, v_).sum().backward()
+        return time.process_time() - c0
+
+    times = {name: [] for name in variants}
+    for rep in range(repeats + 1):  # the first round warms up
+        best = {name: min(seconds(*variants[name]) for _ in range(inner)) for name in variants}
+        if rep:
+            for name in variants:
+                times[name].append(best[name])
+    ratios = {name: statistics.median(t / f for t, f in zip(times[name], times["full causal"])) for name in variants}
+    return {"benchmark": "mod_attention_kernels", "config": os.path.relpath(CONFIG, REPO), "smoke": smoke,
+            "rows": rows, "seq_len": T, "heads": attn.n_heads, "kv_heads": attn.n_kv_heads,
+            "head_dim": attn.head_dim, "chunk": chunk, "executed_fraction": float(mask.float().mean()),
+            "repeats": repeats,
+            "inner": inner, "threads": torch.get_num_threads(), "timing": "process CPU time",
+            "median_s": {name: statistics.median(t) for name, t in times.items()},
+            "median_ratio_to_full_causal": ratios}
 
 
 def _scores(model, state, index):

@@ -33,6 +33,7 @@ from torch import nn
 from nagmoe.errors import UserError
 from nagmoe.model.common import init_linear_uniform, rms_norm
 from nagmoe.model.init_rng import ParamInit
+from nagmoe.ops.position_attention import chunked_attention_available, chunked_position_attention
 from nagmoe.ops.registry import Registry
 
 def _flash_available() -> bool:
@@ -133,7 +134,7 @@ def causal_attention(q_BHTS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: torch.T
 
 def attention_at_positions(q_BHMS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: torch.Tensor, impl: str,
                            positions_BM: torch.Tensor, max_blocks: int = 8, min_block: int = 256,
-                           key_ends: Optional[list] = None) -> torch.Tensor:
+                           key_ends: Optional[list] = None, chunks: Optional[tuple] = None) -> torch.Tensor:
     """Causal attention for queries at arbitrary absolute positions (MoD's executed queries, padded per
     sequence): query m of sequence b sees keys j <= positions_BM[b, m]. The mask comes from the original
     positions, so only B·M score rows are computed (`math` really computes only those, full key length: the
@@ -145,9 +146,19 @@ def attention_at_positions(q_BHMS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: t
     they run in at most `max_blocks` blocks (>= `min_block` queries each), each against only the keys up to
     its last query's position: the skipped work is that of causal attention up to one block per row. Each
     block's K/V slice costs a gradient copy, so short sequences run one block (measured on CPU, T = 256:
-    causal and unmasked SDPA cost the same, 4 blocks of 64 queries 12% more than one call, 16 blocks 90%)."""
+    causal and unmasked SDPA cost the same, 4 blocks of 64 queries 12% more than one call, 16 blocks 90%).
+
+    On CPU, with `chunks` = (valid_BM, chunk_rows, chunk) from MoD's ExecutedTokens (`position_chunks`) and
+    more than one chunk, sdpa runs instead the chunked flash kernel of nagmoe/ops/position_attention.py:
+    unmasked prefix calls plus one small masked call inside each chunk, merged by log-sum-exp (no dense mask, no
+    key past a query's chunk); within one chunk the single masked block is the same work, with less layout."""
     n_rep = q_BHMS.shape[1] // k_BKLS.shape[1]
     M, L = q_BHMS.shape[2], k_BKLS.shape[2]
+    if impl == "sdpa" and M > 0 and chunks is not None and len(chunks[1]) > 1 and chunked_attention_available(q_BHMS):
+        valid_BM, chunk_rows, chunk = chunks
+        k_BHLS = k_BKLS.repeat_interleave(n_rep, dim=1) if n_rep > 1 else k_BKLS
+        v_BHLS = v_BKLS.repeat_interleave(n_rep, dim=1) if n_rep > 1 else v_BKLS
+        return chunked_position_attention(q_BHMS, k_BHLS, v_BHLS, positions_BM, valid_BM, chunk_rows, chunk)
     if impl in ("sdpa", "flash") and M > 0:  # flash: no position-masked kernel, SDPA runs it (no queries: the math path below keeps the empty graph connected)
         size = max(min_block, -(-M // max_blocks))
         # keys any query up to slot m may see: running max over m of the batch's positions + 1 (MoD's
@@ -296,7 +307,7 @@ class MultiHeadAttention(nn.Module):
         if self.qk_norm:
             q_BMHS = rms_norm(q_BMHS)
         y_BHMS = attention_at_positions(q_BMHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, positions_BM,
-                                        key_ends=select.key_ends_at(offset))
+                                        key_ends=select.key_ends_at(offset), chunks=select.position_chunks(offset))
         y_NHS = select.from_padded(y_BHMS.transpose(1, 2))
         return self.c_proj(y_NHS.reshape(-1, H * S)), None
 

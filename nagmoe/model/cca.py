@@ -182,5 +182,5 @@ class CCAttention(nn.Module):
         # every token's latent query exists already (the convs need it): one copy into the padded layout
         q_BMHS, positions_BM = executed_queries(rms_norm(select.gather_padded(q_BTHS)), cos, sin, select, offset)
         y_BHMS = attention_at_positions(q_BMHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, positions_BM,
-                                        key_ends=select.key_ends_at(offset))
+                                        key_ends=select.key_ends_at(offset), chunks=select.position_chunks(offset))
         return self.c_proj(select.from_padded(y_BHMS.transpose(1, 2)).reshape(-1, H * S)), None

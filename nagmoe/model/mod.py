@@ -16,7 +16,8 @@ seen; before that every token executes but the histograms calibrate.
 
 Batching (`ExecutedTokens`): FFN/MoE run on a flat `(N, D)` gather of the executed tokens; attention keeps
 K and V for every token and runs its executed queries in a padded per-sequence layout `(B, M)` with their
-original positions (mask `key <= position`), so the score work is B·M·L instead of B·T·L.
+original positions (`key <= position`; on CPU the chunked kernel of nagmoe/ops/position_attention.py), so the
+score work is about B·M·L/2 instead of B·T·L/2.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
+from nagmoe.ops.position_attention import POSITION_CHUNK
 from nagmoe.schema import ELIGIBLE_MODES, eligible_sublayers  # noqa: F401  (the MoD eligibility rule)
 
 
@@ -53,16 +55,20 @@ class ExecutedTokens:
     index_copy on precomputed row indices (their backwards are index_add / index_select: no boolean-mask
     index_put, which is serial on CPU)."""
 
-    def __init__(self, mask_BT: torch.Tensor, flags: Optional[torch.Tensor] = None, queries: bool = True):
+    def __init__(self, mask_BT: torch.Tensor, flags: Optional[torch.Tensor] = None, queries: bool = True,
+                 chunk: int = POSITION_CHUNK):
         """One device->host read (issue 26's budget: one per MoD sublayer) brings `flags` (the caller's own
         small integer tensor, e.g. the calibrator's "does this sublayer skip"; `self.flags` as a list), `n`
         (executed tokens), `M` (the most in one sequence) and, for attention (`queries`), `key_ends`: per
         padded query slot m, the keys any sequence's m-th executed query may see (running max of position + 1;
-        attention_at_positions cuts its key blocks there). Nothing else syncs: the flat rows come from
-        `nonzero_static` (or a sort) of the known size."""
+        attention_at_positions cuts its key blocks there), and `chunk_rows`: per chunk of `chunk` positions,
+        the most executed tokens of one sequence in it (the CPU chunked kernel's layout,
+        nagmoe/ops/position_attention.py). Nothing else syncs: the flat rows come from `nonzero_static` (or a
+        sort) of the known size."""
         self.mask_BT = mask_BT
         self.B, self.T = mask_BT.shape
         self.counts_B = mask_BT.sum(1)
+        self.chunk = chunk
         device = mask_BT.device
         flags_F = (flags if flags is not None else torch.zeros(0, device=device)).long().view(-1)
         self._positions_BT = None
@@ -74,11 +80,15 @@ class ExecutedTokens:
                 order_BT = torch.where(mask_BT, t_T, t_T + self.T).argsort(dim=1)
                 self._positions_BT = order_BT.where(t_T < self.counts_B.unsqueeze(1), 0)
                 parts.append(self._positions_BT.amax(0).cummax(0).values + 1)
+                chunks = -(-self.T // chunk)
+                padded_BT = torch.nn.functional.pad(mask_BT, (0, chunks * chunk - self.T))
+                parts.append(padded_BT.view(self.B, chunks, chunk).sum(-1).amax(0))
         values = torch.cat(parts).tolist()  # the one read
         f = flags_F.numel()
         self.flags = values[:f]
         self.n, self.M = (values[f], values[f + 1]) if self.B else (0, 0)
         self.key_ends = values[f + 2:f + 2 + self.M] if self._positions_BT is not None else None
+        self.chunk_rows = values[f + 2 + self.T:] if self._positions_BT is not None else None  # after T key ends
         self.index_N = _true_rows(mask_BT.reshape(-1), self.n)  # flat rows of (B·T), ascending
         self._padded = None
 
@@ -124,6 +134,13 @@ class ExecutedTokens:
     def key_ends_at(self, offset: int) -> Optional[list]:
         """`key_ends` for keys that start `offset` positions earlier (an inference cache)."""
         return None if self.key_ends is None else [e + offset for e in self.key_ends]
+
+    def position_chunks(self, offset: int) -> Optional[tuple]:
+        """(valid_BM, chunk_rows, chunk) for attention_at_positions' chunked CPU kernel; None after a cached
+        prefix (`offset` > 0: the chunks are counted on this call's own positions) or without query data."""
+        if offset or self.chunk_rows is None:
+            return None
+        return self.padded()[1], self.chunk_rows, self.chunk
 
     def to_padded(self, x_N_: torch.Tensor) -> torch.Tensor:
         self.padded()
