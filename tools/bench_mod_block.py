@@ -280,7 +280,10 @@ def bench_attention_kernels(rows: int = 1, repeats: int = 15, inner: int = 3, ra
 
     times = {name: [] for name in variants}
     for rep in range(repeats + 1):  # the first round warms up
-        best = {name: min(seconds(*variants[name]) for _ in range(inner)) for name in variants}
+        best = {name: float("inf") for name in variants}
+        for _ in range(inner):  # the variants take turns, one step each
+            for name in variants:
+                best[name] = min(best[name], seconds(*variants[name]))
         if rep:
             for name in variants:
                 times[name].append(best[name])
