@@ -44,6 +44,7 @@ class _Layout:
 
     def __init__(self, positions_BM, valid_BM, rows: int, chunks: int, width: int):
         B, M = positions_BM.shape
+        self.B, self.M, self.C, self.R = B, M, chunks, rows
         device = positions_BM.device
         chunk_BM = torch.where(valid_BM, torch.div(positions_BM, width, rounding_mode="floor"), chunks)
         counts_BC = torch.zeros(B, chunks + 1, dtype=torch.long, device=device).scatter_add_(
@@ -57,20 +58,19 @@ class _Layout:
         self.relpos_X = torch.zeros(self.size + 1, dtype=torch.long, device=device).index_copy_(
             0, self.dest_N, relpos_BM.reshape(-1))[:-1]
 
-    def to_chunks(self, x_BHMS: torch.Tensor, B: int, C: int, R: int) -> torch.Tensor:
+    def to_chunks(self, x_BHMS: torch.Tensor) -> torch.Tensor:
         """(B, H, M, ...) -> (B, C, H, R, ...), zeros in unused rows."""
         H, tail = x_BHMS.shape[1], x_BHMS.shape[3:]
         rows_N = x_BHMS.transpose(1, 2).reshape(-1, H, *tail)
         out = rows_N.new_zeros(self.size + 1, H, *tail).index_copy_(0, self.dest_N, rows_N)[:-1]
-        return out.view(B, C, R, H, *tail).transpose(2, 3).contiguous()
+        return out.view(self.B, self.C, self.R, H, *tail).transpose(2, 3).contiguous()
 
-    def from_chunks(self, x_BCHR_: torch.Tensor, M: int) -> torch.Tensor:
+    def from_chunks(self, x_BCHR_: torch.Tensor) -> torch.Tensor:
         """(B, C, H, R, ...) -> (B, H, M, ...), zeros on padding slots."""
-        B, C, H, R = x_BCHR_.shape[:4]
-        tail = x_BCHR_.shape[4:]
+        H, tail = x_BCHR_.shape[2], x_BCHR_.shape[4:]
         rows = x_BCHR_.transpose(2, 3).reshape(self.size, H, *tail)
         rows = torch.cat([rows, rows.new_zeros(1, H, *tail)])
-        return rows.index_select(0, self.dest_N).view(B, M, H, *tail).transpose(1, 2)
+        return rows.index_select(0, self.dest_N).view(self.B, self.M, H, *tail).transpose(1, 2)
 
 
 def _merge(o_a, l_a, o_b, l_b):
@@ -83,12 +83,12 @@ def _merge(o_a, l_a, o_b, l_b):
 class _ChunkedPositionAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHMS, k_BHLS, v_BHLS, positions_BM, valid_BM, chunk_rows, width):
-        B, H, M, S = q_BHMS.shape
+        B, H, _, S = q_BHMS.shape
         L = k_BHLS.shape[2]
         C, R = len(chunk_rows), max(max(chunk_rows), 1)
         scale = 1.0 / math.sqrt(S)
         layout = _Layout(positions_BM, valid_BM, R, C, width)
-        q_X = layout.to_chunks(q_BHMS, B, C, R)  # (B, C, H, R, S)
+        q_X = layout.to_chunks(q_BHMS)  # (B, C, H, R, S)
 
         def by_chunk(t_BHLS):  # (B, H, L, S) -> (B·C, H, W, S), zero keys past L (masked below)
             t = F.pad(t_BHLS, (0, 0, 0, C * width - L))
@@ -108,14 +108,15 @@ class _ChunkedPositionAttention(torch.autograd.Function):
                                 False, scale=scale)
             o_X[:, c, :, :r], l_X[:, c, :, :r] = _merge(o_pre, l_pre.float(), o_X[:, c, :, :r], l_X[:, c, :, :r])
         ctx.save_for_backward(q_X, k_BHLS, v_BHLS, k_loc, v_loc, mask, o_X, l_X)
-        ctx.layout, ctx.meta = layout, (B, H, M, S, L, C, R, width, tuple(chunk_rows), scale)
-        return layout.from_chunks(o_X, M)
+        ctx.layout, ctx.meta = layout, (L, width, tuple(chunk_rows), scale)
+        return layout.from_chunks(o_X)
 
     @staticmethod
     def backward(ctx, grad_BHMS):
         q_X, k_BHLS, v_BHLS, k_loc, v_loc, mask, o_X, l_X = ctx.saved_tensors
-        B, H, M, S, L, C, R, width, chunk_rows, scale = ctx.meta
-        dout_X = ctx.layout.to_chunks(grad_BHMS.contiguous(), B, C, R)
+        L, width, chunk_rows, scale = ctx.meta
+        B, C, H, R, S = q_X.shape
+        dout_X = ctx.layout.to_chunks(grad_BHMS.contiguous())
         dq_loc, dk_loc, dv_loc = _BWD(dout_X.view(B * C, H, R, S), q_X.view(B * C, H, R, S), k_loc, v_loc,
                                       o_X.view(B * C, H, R, S), l_X.view(B * C, H, R), 0.0, False,
                                       attn_mask=mask, scale=scale)
@@ -135,7 +136,7 @@ class _ChunkedPositionAttention(torch.autograd.Function):
             dq_X[:, c, :, :r] += dq
             dk[:, :, :keys] += dk_c
             dv[:, :, :keys] += dv_c
-        return ctx.layout.from_chunks(dq_X, M), dk, dv, None, None, None, None
+        return ctx.layout.from_chunks(dq_X), dk, dv, None, None, None, None
 
 
 def chunked_position_attention(q_BHMS: torch.Tensor, k_BHLS: torch.Tensor, v_BHLS: torch.Tensor,
