@@ -15,7 +15,10 @@ full / MoD; its 95% confidence interval comes from a bootstrap over the paired r
 is (speed-up - 1) / (charged-FLOP ratio - 1): the charged FLOPs (nagmoe.flops, non_embedding convention,
 executed tokens only) are what buys tokens under a budget; the executed FLOPs with attention's padded query
 rows are reported beside them. Verdict on the interval's lower bound (>= 0.8 meets issue 28's bar).
-`--profile` adds a table of self CPU time per step by kind of op.
+`time_vs_charged_flops` fits a line through every rate's time ratio against its charged-FLOP ratio: its
+`fixed_share` is the part of the full step that MoD cannot shrink (on CPU: the experts' per-call weight passes
+and every token's element-wise NAG work), `share_from_fit` what that line realises at each rate (`--rates
+0.2,0.5,0.9` spreads the points). `--profile` adds a table of self CPU time per step by kind of op.
 """
 from __future__ import annotations
 
@@ -153,6 +156,24 @@ def bootstrap_median_ci(ratios: list, draws: int = 2000, seed: int = 0) -> tuple
     return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
 
+def fixed_time_fit(points: list) -> dict:
+    """Least-squares line `time ratio = fixed + slope x charged-FLOP ratio` through (1, 1) (full depth) and each
+    rate's (charged-FLOP ratio F_r / F_0, median of its paired MoD / full step times). `fixed` is the share of the
+    full step that does not shrink with the charged FLOPs (every-token element-wise work, per-call weight reads,
+    launch and dispatch overheads): a linear step realises (1 / (fixed + slope x) - 1) / (1 / x - 1) of the
+    gain, 1 only at fixed 0. On a noisy machine it uses every rate's median, so it is steadier than any one."""
+    pts = [(1.0, 1.0), *points]
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else float("nan")
+    fixed = my - slope * mx
+    # the share of each rate's charged gain the fitted line realises (steadier than one rate's median)
+    shares = [(1 / (fixed + slope * x) - 1) / (1 / x - 1) for x, _ in points]
+    return {"points": [[round(x, 4), round(y, 4)] for x, y in pts], "fixed_share": fixed, "slope": slope,
+            "share_from_fit": shares}
+
+
 def profile_table(model, state, probe, variants: dict, steps: int = 2) -> dict:
     """Self CPU seconds per step by kind of op, per variant (`variants`: label -> (thresholds, skipping)). The
     variants take turns one profiled step at a time, like the timed repeats, so a drift of the machine's speed
@@ -209,7 +230,7 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
                 cpu[r].append(best[r][0])
                 wall[r].append(best[r][1])
     full = flops_per_token(m, T, 1.0, "non_embedding")
-    out_rates = []
+    out_rates, fit_points = [], []
     for r in rates:
         ratios = [f / x for f, x in zip(cpu[0.0], cpu[r])]
         speedup = statistics.median(ratios)
@@ -217,6 +238,7 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
         charged = full / flops_per_token(m, T, fractions[r], "non_embedding")
         executed = full / executed_flops_per_token(m, T, fractions[r], padded[r], "non_embedding")
         share = lambda s: (s - 1) / (charged - 1)  # noqa: E731
+        fit_points.append((1 / charged, statistics.median(x / f for f, x in zip(cpu[0.0], cpu[r]))))
         out_rates.append({
             "skip_rate": r, "executed_fractions": fractions[r], "padded_attention_rows": padded[r][0],
             "cpu_speedup_median": speedup, "cpu_speedup_ci95": [lo, hi],
@@ -232,7 +254,8 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
               "device": device,
               "timing": "synchronised wall clock" if device == "cuda" else "process CPU time",
               "full_cpu_s_median": statistics.median(cpu[0.0]),
-              "full_cpu_s_range": [min(cpu[0.0]), max(cpu[0.0])], "rates": out_rates}
+              "full_cpu_s_range": [min(cpu[0.0]), max(cpu[0.0])], "rates": out_rates,
+              "time_vs_charged_flops": fixed_time_fit(fit_points)}
     if profile:
         result["profile_s_per_step"] = profile_table(
             model, state, probe, {f"skip {r:.0%}": (thresholds[r], r > 0)

@@ -28,6 +28,9 @@ def test_block_benchmark_smoke_reports_every_field(tmp_path):
     assert row["charged_flop_ratio"] > 1 and row["executed_flop_ratio_with_padding"] <= row["charged_flop_ratio"]
     assert row["realised_share"] == (row["cpu_speedup_median"] - 1) / (row["charged_flop_ratio"] - 1)
     assert row["verdict"].startswith(("meets", "below"))
+    fit = result["time_vs_charged_flops"]  # full depth's (1, 1) and this rate's (F_r / F_0, time ratio)
+    assert fit["points"][0] == [1.0, 1.0] and fit["points"][1][0] == round(1 / row["charged_flop_ratio"], 4)
+    assert abs(fit["fixed_share"] + fit["slope"] - 1) < 1e-9  # the line goes through full depth's point
     kinds = {"experts", "scores", "projections", "gather/scatter", "masks", "NAG elementwise", "other"}
     assert set(result["profile_s_per_step"]) == {"skip 0%", "skip 20%"}
     assert all(set(t) == kinds for t in result["profile_s_per_step"].values())
@@ -47,3 +50,20 @@ def test_attention_kernel_benchmark_smoke_times_the_three_paths(tmp_path):
     assert set(result["median_ratio_to_full_causal"]) == {"full causal", "blocked sdpa", "chunked"}
     assert result["median_ratio_to_full_causal"]["full causal"] == 1.0
     assert all(t > 0 for t in result["median_s"].values())
+
+
+def test_fixed_time_fit_recovers_a_line_and_its_fixed_share():
+    """A step whose time is 0.15 of full depth's whatever it executes plus 0.85 x its charged FLOP ratio: the fit
+    over several rates returns that fixed share, and a noisy point moves it, not the point through full depth."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from bench_mod_block import fixed_time_fit
+
+    xs = (0.9, 0.8, 0.7)
+    fit = fixed_time_fit([(x, 0.15 + 0.85 * x) for x in xs])
+    assert abs(fit["fixed_share"] - 0.15) < 1e-9 and abs(fit["slope"] - 0.85) < 1e-9
+    # the line's own share of each rate's gain: speed-up 1 / (0.15 + 0.85 x) against 1 / x
+    assert [round(v, 6) for v in fit["share_from_fit"]] == [round((1 / (0.15 + 0.85 * x) - 1) / (1 / x - 1), 6)
+                                                           for x in xs]
+    assert fixed_time_fit([(0.8, 0.8)])["share_from_fit"] == [1.0]  # no fixed cost: the whole gain
+    noisy = fixed_time_fit([(0.9, 0.93), (0.8, 0.83), (0.7, 0.78)])
+    assert noisy["fixed_share"] > 0.15 and len(noisy["points"]) == 4
