@@ -18,7 +18,9 @@ rows are reported beside them. Verdict on the interval's lower bound (>= 0.8 mee
 `time_vs_charged_flops` fits a line through every rate's time ratio against its charged-FLOP ratio: its
 `fixed_share` is the part of the full step that MoD cannot shrink (on CPU: the experts' per-call weight passes
 and every token's element-wise NAG work), `share_from_fit` what that line realises at each rate (`--rates
-0.2,0.5,0.9` spreads the points). `--profile` adds a table of self CPU time per step by kind of op.
+0.2,0.5,0.9` spreads the points). `--profile` adds a table of self CPU time per step by kind of op. The NAG update and modulator run `compiled`
+(torch.compile), what `auto` picks on CUDA and the paper's runs execute (`model.nag.impl=eager` measures the
+eager reference; `--smoke` keeps `auto`, eager on CPU, to skip inductor's first compile).
 """
 from __future__ import annotations
 
@@ -200,7 +202,10 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if allocator == "caching" and device == "cpu" and not use_caching_allocator():
         allocator = "default (no mallopt here)"
-    cfg, model = build_block((*(SMOKE if smoke else ()), *overrides), seed, device)
+    # the paper runs' NAG path: `auto` compiles it on CUDA; asked for here so CPU measures it too (overrides
+    # win, e.g. model.nag.impl=eager); the smoke keeps `auto`: inductor's first compile would be most of its time
+    nag = () if smoke else ("model.nag.impl=compiled",)
+    cfg, model = build_block((*(SMOKE if smoke else ()), *nag, *overrides), seed, device)
     state = block_input(cfg, rows, seed, device)
     probe = torch.randn(state.direction_BTD.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     m, T = cfg.model, cfg.data.seq_len
@@ -251,6 +256,7 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
               "d_model": m.d_model, "experts": m.moe.n_experts, "top_k": m.moe.top_k, "seq_len": T, "rows": rows,
               "repeats": repeats, "inner": inner, "overrides": list(overrides),
               "allocator": allocator if device == "cpu" else "cuda caching", "threads": torch.get_num_threads(),
+              "nag_impl": model.stream.impl,  # the resolved NAG backend (eager, compiled)
               "device": device,
               "timing": "synchronised wall clock" if device == "cuda" else "process CPU time",
               "full_cpu_s_median": statistics.median(cpu[0.0]),
