@@ -18,9 +18,10 @@ rows are reported beside them. Verdict on the interval's lower bound (>= 0.8 mee
 `time_vs_charged_flops` fits a line through every rate's time ratio against its charged-FLOP ratio: its
 `fixed_share` is the part of the full step that MoD cannot shrink (on CPU: the experts' per-call weight passes
 and every token's element-wise NAG work), `share_from_fit` what that line realises at each rate (`--rates
-0.2,0.5,0.9` spreads the points). `--profile` adds a table of self CPU time per step by kind of op. The NAG update and modulator run `compiled`
-(torch.compile), what `auto` picks on CUDA and the paper's runs execute (`model.nag.impl=eager` measures the
-eager reference; `--smoke` keeps `auto`, eager on CPU, to skip inductor's first compile).
+0.2,0.5,0.9` spreads the points). `--profile` adds a table of self CPU time per step by kind of op.
+The NAG update and modulator run `compiled` (torch.compile), what `auto` picks on CUDA and the paper's runs
+execute (`model.nag.impl=eager` measures the eager reference; `--smoke` keeps `auto`, eager on CPU, to skip
+inductor's first compile).
 """
 from __future__ import annotations
 
@@ -256,7 +257,7 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
               "d_model": m.d_model, "experts": m.moe.n_experts, "top_k": m.moe.top_k, "seq_len": T, "rows": rows,
               "repeats": repeats, "inner": inner, "overrides": list(overrides),
               "allocator": allocator if device == "cpu" else "cuda caching", "threads": torch.get_num_threads(),
-              "nag_impl": model.stream.impl,  # the resolved NAG backend (eager, compiled)
+              "nag_impl": getattr(model.stream, "impl", None),  # the resolved NAG backend (eager, compiled)
               "device": device,
               "timing": "synchronised wall clock" if device == "cuda" else "process CPU time",
               "full_cpu_s_median": statistics.median(cpu[0.0]),
