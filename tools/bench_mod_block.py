@@ -171,7 +171,6 @@ def fixed_time_fit(points: list) -> dict:
     sxx = sum((x - mx) ** 2 for x, _ in pts)
     slope = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else float("nan")
     fixed = my - slope * mx
-    # the share of each rate's charged gain the fitted line realises (steadier than one rate's median)
     shares = [(1 / (fixed + slope * x) - 1) / (1 / x - 1) for x, _ in points]
     return {"points": [[round(x, 4), round(y, 4)] for x, y in pts], "fixed_share": fixed, "slope": slope,
             "share_from_fit": shares}
@@ -244,7 +243,7 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
         charged = full / flops_per_token(m, T, fractions[r], "non_embedding")
         executed = full / executed_flops_per_token(m, T, fractions[r], padded[r], "non_embedding")
         share = lambda s: (s - 1) / (charged - 1)  # noqa: E731
-        fit_points.append((1 / charged, statistics.median(x / f for f, x in zip(cpu[0.0], cpu[r]))))
+        fit_points.append((1 / charged, statistics.median(1 / q for q in ratios)))  # MoD / full per repeat
         out_rates.append({
             "skip_rate": r, "executed_fractions": fractions[r], "padded_attention_rows": padded[r][0],
             "cpu_speedup_median": speedup, "cpu_speedup_ci95": [lo, hi],
