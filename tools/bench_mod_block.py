@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -234,6 +235,9 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
             for r in variants:
                 cpu[r].append(best[r][0])
                 wall[r].append(best[r][1])
+            # progress on stderr (the JSON goes to stdout): a long run shows how it stands
+            print(f"repeat {rep}/{repeats}: full {cpu[0.0][-1]:.2f} s, speed-up " + ", ".join(
+                f"{r:.0%} x{cpu[0.0][-1] / cpu[r][-1]:.3f}" for r in rates), file=sys.stderr, flush=True)
     full = flops_per_token(m, T, 1.0, "non_embedding")
     out_rates, fit_points = [], []
     for r in rates:

@@ -29,6 +29,9 @@ def test_block_benchmark_smoke_reports_every_field(tmp_path):
     assert row["charged_flop_ratio"] > 1 and row["executed_flop_ratio_with_padding"] <= row["charged_flop_ratio"]
     assert row["realised_share"] == (row["cpu_speedup_median"] - 1) / (row["charged_flop_ratio"] - 1)
     assert row["verdict"].startswith(("meets", "below"))
+    progress = [line for line in r.stderr.splitlines() if line.startswith("repeat ")]  # one line per repeat
+    assert [line.split(":")[0] for line in progress] == [f"repeat {k}/2" for k in (1, 2)]
+    assert all("20% x" in line for line in progress)
     fit = result["time_vs_charged_flops"]  # full depth's (1, 1) and this rate's (F_r / F_0, time ratio)
     assert fit["points"][0] == [1.0, 1.0] and fit["points"][1][0] == round(1 / row["charged_flop_ratio"], 4)
     assert abs(fit["fixed_share"] + fit["slope"] - 1) < 1e-9  # the line goes through full depth's point
