@@ -14,7 +14,8 @@ are not fresh mmaps paying page faults each step. The speed-up of a rate is the 
 full / MoD; its 95% confidence interval comes from a bootstrap over the paired repeats. The realised share
 is (speed-up - 1) / (charged-FLOP ratio - 1): the charged FLOPs (nagmoe.flops, non_embedding convention,
 executed tokens only) are what buys tokens under a budget; the executed FLOPs with attention's padded query
-rows are reported beside them. Verdict on the interval's lower bound (>= 0.8 meets issue 28's bar).
+rows are reported beside them. Verdict on the interval's lower bound (>= 0.8 meets issue 28's bar, measured
+at `--block-rows 4`: one row per step leaves each expert a sixteenth of its paper rows, docs/decisions.md).
 `time_vs_charged_flops` fits a line through every rate's time ratio against its charged-FLOP ratio: its
 `fixed_share` is the part of the full step that MoD cannot shrink (on CPU: the experts' per-call weight passes
 and every token's element-wise NAG work), `share_from_fit` what that line realises at each rate (`--rates
