@@ -1,0 +1,1 @@
+"""CUDA's behaviour checked on the CPU: autocast's per-op dtype rules (table, tier) and kernel contracts."""
