@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nagmoe.model.common import init_linear_uniform
 from nagmoe.model.init_rng import ParamInit
+from nagmoe.ops.activations import relu_squared
 
 
 class DenseMLP(nn.Module):
@@ -33,5 +33,5 @@ class DenseMLP(nn.Module):
         init.zeros_(self, "c_proj.weight")
 
     def forward(self, x_BTD: torch.Tensor):
-        h_BTF = F.relu(self.c_fc(x_BTD)).square()
+        h_BTF = relu_squared(self.c_fc(x_BTD))  # r·r: no fp32 pow under CUDA autocast
         return self.c_proj(h_BTF), None

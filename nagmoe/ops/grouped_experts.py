@@ -22,9 +22,9 @@ import importlib.util
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from nagmoe.errors import UserError
+from nagmoe.ops.activations import relu_squared
 from nagmoe.ops.registry import Registry
 
 
@@ -61,7 +61,7 @@ def experts_loop(x_SD: torch.Tensor, w_in_EDH: torch.Tensor, w_out_EHD: torch.Te
     for e, n in enumerate(counts_E.tolist()):
         if n == 0:
             continue
-        h_nH = F.relu(x_SD[start:start + n] @ w_in_EDH[e].to(x_SD.dtype)).square()
+        h_nH = relu_squared(x_SD[start:start + n] @ w_in_EDH[e].to(x_SD.dtype))
         outs.append(h_nH @ w_out_EHD[e].to(x_SD.dtype))
         start += n
     if not outs:  # no slots at all (an empty micro-batch)
@@ -119,7 +119,7 @@ def experts_grouped(x_SD: torch.Tensor, w_in_EDH: torch.Tensor, w_out_EHD: torch
     offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
     x_SD = x_SD.to(dtype).contiguous()
     h_SH = _ContiguousGrad.apply(torch._grouped_mm(x_SD, w_in_EDH.to(dtype), offs=offs_E))
-    a_SH = F.relu(h_SH).square()
+    a_SH = relu_squared(h_SH)
     return _ContiguousGrad.apply(torch._grouped_mm(a_SH, w_out_EHD.to(dtype), offs=offs_E))
 
 
@@ -134,9 +134,16 @@ def experts_megablocks(x_SD: torch.Tensor, w_in_EDH: torch.Tensor, w_out_EHD: to
     if x_SD.device.type != "cuda" or dtype != torch.bfloat16:
         warnings.warn("moe_experts: grouped_gemm needs bf16 on CUDA; using the slow loop", stacklevel=2)
         return experts_loop(x_SD, w_in_EDH, w_out_EHD, counts_E)
-    batch_sizes_E = counts_E.to("cpu", torch.int64)  # grouped_gemm takes host-side group sizes
-    h_SH = gg_ops.gmm(x_SD.to(dtype).contiguous(), w_in_EDH.to(dtype), batch_sizes_E, trans_b=False)
-    return gg_ops.gmm(F.relu(h_SH).square(), w_out_EHD.to(dtype), batch_sizes_E, trans_b=False)
+    return grouped_gemm_experts(gg_ops.gmm, x_SD.to(dtype), w_in_EDH.to(dtype), w_out_EHD.to(dtype), counts_E)
+
+
+def grouped_gemm_experts(gmm, x_SD: torch.Tensor, w_in_EDH: torch.Tensor, w_out_EHD: torch.Tensor,
+                         counts_E: torch.Tensor) -> torch.Tensor:
+    """The megablocks path's two grouped GEMMs; `gmm` is `grouped_gemm.ops.gmm` (bf16 operands only, host-side
+    group sizes). Separate from the import so its dtype contract is checked on the CPU (tests/cuda_rules)."""
+    batch_sizes_E = counts_E.to("cpu", torch.int64)
+    h_SH = gmm(x_SD.contiguous(), w_in_EDH, batch_sizes_E, trans_b=False)
+    return gmm(relu_squared(h_SH), w_out_EHD, batch_sizes_E, trans_b=False)
 
 
 EXPERT_FORWARD = {"grouped": experts_grouped, "loop": experts_loop, "megablocks": experts_megablocks}
