@@ -52,14 +52,18 @@ class SavedActivationCheck:
     def __init__(self, model: nn.Module, sublayer_types: tuple, allow_types: tuple = ()):
         self.model, self.sublayer_types, self.allow_types = model, sublayer_types, allow_types
         self.violations: list[tuple[str, tuple]] = []
-        self.saved_bytes: dict[str, int] = {}
+        self.saved_bytes: dict[str, int] = {}  # per sublayer: bytes of the distinct storages saved for backward
         self._stack: list[tuple[str, int]] = []  # (sublayer name, carrier numel)
         self._allowed = 0
+        self._seen: set[int] = set()  # storages already counted (they stay alive while saved)
 
     def _pack(self, t: torch.Tensor):
         if self._stack and not self._allowed and not isinstance(t, nn.Parameter):
             name, carrier = self._stack[-1]
-            self.saved_bytes[name] = self.saved_bytes.get(name, 0) + t.numel() * t.element_size()
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self._seen:  # a tensor saved by two ops (r·r saves r twice) costs once
+                self._seen.add(storage.data_ptr())
+                self.saved_bytes[name] = self.saved_bytes.get(name, 0) + storage.nbytes()
             if t.dtype == torch.float32 and t.numel() > carrier:
                 self.violations.append((name, tuple(t.shape)))
         return t

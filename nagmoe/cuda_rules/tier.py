@@ -126,6 +126,10 @@ class CudaAutocastRules:
         self.table = rules_for(version)
         self._lib: Optional[torch.library.Library] = None
 
+    @property
+    def active(self) -> bool:
+        return self._lib is not None
+
     def __enter__(self) -> "CudaAutocastRules":
         if self._lib is not None:
             raise RuntimeError("CudaAutocastRules is already active")

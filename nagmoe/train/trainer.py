@@ -47,6 +47,7 @@ from nagmoe.train.guards import (
     EXIT_GATE_COLLAPSE, EXIT_NONFINITE, TrainingHalted, collapsed_fraction, gate_collapse_message, is_nonfinite,
     locate_nonfinite, nonfinite_message, realised_gains, warn)
 from nagmoe.train.preemption import PreemptionWatch
+from nagmoe.train.precision_context import TrainingPrecision, reusable_autocast
 from nagmoe.checkpoint.run_dir import adopt_legacy_values, prepare_run_dir, write_run_info, write_summary
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
 from nagmoe.train.checkpoint_schedule import CheckpointSchedule, save_error
@@ -97,6 +98,9 @@ class Trainer:
         self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
         t, m = cfg.train, cfg.model
         self.device = resolve_device(t.device)
+        # bf16 autocast on CUDA; on the CPU fp32, or bf16 under CUDA's rules with NAGMOE_CUDA_RULES (issue 38)
+        self.precision = TrainingPrecision(self.device.type)
+        self.autocast = reusable_autocast(self.precision)
         if mesh is None and world_size == 1:
             mesh = ParallelMesh.from_process_group(cfg, self.device.type)
         elif mesh is None:
@@ -209,14 +213,15 @@ class Trainer:
                 self.backends["sdpa"] = sdpa_backends(self.device.type)
             self.backends["precision"] = t.precision + (", tf32" if torch.backends.cuda.matmul.allow_tf32 and
                                                         self.device.type == "cuda" else "")
+            if self.precision.rules:
+                self.backends["precision"] += f", cpu bf16 autocast under CUDA's rules of torch {self.precision.rules}"
             if self.rank == 0:
                 write_run_info(run_dir, self.backends, str(self.device),
                                {"resumed_from": latest, "grad_accum": self.accum, "world_size": world_size,
                                 "ep": mesh.ep, "dp": mesh.dp, "engine": cfg.parallel.engine,
+                                "autocast": self.precision.describe(),
                                 **({"deepspeed": self.engine.describe()} if self.engine is not None else {})})
             self._log(f"device {self.device}; backends: {self.backends}; grad accumulation {self.accum}")
-            self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
-                             else nullcontext())
             self.wandb = self._init_wandb()
         except BaseException:
             self.release_lease()
@@ -298,8 +303,12 @@ class Trainer:
         return self.mesh.any(stop) if self.mesh.distributed else stop
 
     # ------------------------------------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> float:
+        with self.precision.scope():
+            return self._evaluate()
+
+    @torch.no_grad()
+    def _evaluate(self) -> float:
         """Validation bits per byte; under distributed training the val batches are split over ranks and the
         sums reduced. Under EP every forward is collective, so a rank out of batches runs a throw-away
         forward while others still have one."""
@@ -331,6 +340,11 @@ class Trainer:
         return bits_per_byte(nats, nbytes)
 
     def train_step(self) -> dict:
+        """One optimizer step (forward, backward, optimizer), under CUDA's rules when asked for."""
+        with self.precision.scope():
+            return self._train_step()
+
+    def _train_step(self) -> dict:
         t, m = self.cfg.train, self.cfg.model
         p = self.progress
         lr_mult = lr_multiplier(p.step, p.flops, t)
@@ -502,7 +516,8 @@ class Trainer:
     def run(self) -> dict:
         """Train to the stop; the run dir's lease is released at the end, however it ends."""
         try:
-            return self._run()
+            with self.precision.scope():  # CUDA's rules on the CPU, when asked for: the whole run
+                return self._run()
         finally:
             self.release_lease()
 
