@@ -32,7 +32,11 @@ import statistics
 import sys
 import time
 
+from contextlib import nullcontext
+
 import torch
+
+from nagmoe.train.precision_context import TrainingPrecision
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "paper", "nag-mod20-r40.yaml")
@@ -134,16 +138,17 @@ def executed_fractions(model, state) -> list:
     return out
 
 
-def step_seconds(model, state, probe) -> tuple[float, float]:
-    """(process CPU, wall) seconds of one forward + backward of the block; on CUDA both are the synchronised
-    wall clock (the host's CPU time says nothing about the kernels)."""
+def step_seconds(model, state, probe, amp=nullcontext) -> tuple[float, float]:
+    """(process CPU, wall) seconds of one forward (under `amp()`, the Trainer's autocast) + backward of the
+    block; on CUDA both are the synchronised wall clock (the host's CPU time says nothing about the kernels)."""
     cal = model.mod_calibrator()
     x = type(state)(state.log_norm_BT.clone().requires_grad_(True), state.direction_BTD.clone().requires_grad_(True))
     cuda = probe.is_cuda
     if cuda:
         torch.cuda.synchronize()
     c0, t0 = time.process_time(), time.perf_counter()
-    out = run_block(model, x)
+    with amp():
+        out = run_block(model, x)
     ((out.direction_BTD * probe).sum() + out.log_norm_BT.sum()).backward()
     if cuda:
         torch.cuda.synchronize()
@@ -178,7 +183,7 @@ def fixed_time_fit(points: list) -> dict:
             "share_from_fit": shares}
 
 
-def profile_table(model, state, probe, variants: dict, steps: int = 2) -> dict:
+def profile_table(model, state, probe, variants: dict, steps: int = 2, amp=nullcontext) -> dict:
     """Self CPU seconds per step by kind of op, per variant (`variants`: label -> (thresholds, skipping)). The
     variants take turns one profiled step at a time, like the timed repeats, so a drift of the machine's speed
     hits them alike; `steps` rounds, averaged."""
@@ -189,7 +194,7 @@ def profile_table(model, state, probe, variants: dict, steps: int = 2) -> dict:
         for label, (threshold, skipping) in variants.items():
             use_thresholds(model, threshold, skipping)
             with profile() as prof:
-                step_seconds(model, state, probe)
+                step_seconds(model, state, probe, amp)
             for e in prof.key_averages():
                 kind = next((name for name, keys in KINDS if any(k in e.key for k in keys)), "other")
                 tables[label][kind] += e.self_cpu_time_total / 1e6 / steps
@@ -199,8 +204,6 @@ def profile_table(model, state, probe, variants: dict, steps: int = 2) -> dict:
 def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = False, profile: bool = False,
                 profile_steps: int = 2, seed: int = 0, device: str = None, inner: int = 3, overrides=(),
                 allocator: str = "caching") -> dict:
-    from nagmoe.flops import executed_flops_per_token, flops_per_token
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if allocator == "caching" and device == "cpu" and not use_caching_allocator():
         allocator = "default (no mallopt here)"
@@ -208,6 +211,23 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
     # win, e.g. model.nag.impl=eager); the smoke keeps `auto`: inductor's first compile would be most of its time
     nag = () if smoke else ("model.nag.impl=compiled",)
     cfg, model = build_block((*(SMOKE if smoke else ()), *nag, *overrides), seed, device)
+    # the Trainer's precision and compile setting: bf16 autocast and TF32 on CUDA (on the CPU fp32, or bf16 under
+    # CUDA's rules with NAGMOE_CUDA_RULES), sublayers compiled where train.compile resolves on (auto: CUDA)
+    precision = TrainingPrecision(device)
+    with precision.scope():
+        return _bench_block(cfg, model, precision, rows, repeats, rates, smoke, profile, profile_steps, seed, device,
+                            inner, overrides, allocator)
+
+
+def _bench_block(cfg, model, precision, rows, repeats, rates, smoke, profile, profile_steps, seed, device, inner,
+                 overrides, allocator) -> dict:
+    from nagmoe.flops import executed_flops_per_token, flops_per_token
+    from nagmoe.train.speed import compile_model, resolve_compile
+
+    amp = precision.autocast
+    if device == "cuda" and cfg.train.precision == "uniform":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    compiled = compile_model(model) if resolve_compile(cfg.train.compile, device) else None
     state = block_input(cfg, rows, seed, device)
     probe = torch.randn(state.direction_BTD.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     m, T = cfg.model, cfg.data.seq_len
@@ -215,9 +235,10 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
     fractions, padded = {}, {}
     thresholds = {}
     for r in variants:
-        fractions[r] = set_skip(model, state, r)
+        with amp():
+            fractions[r] = set_skip(model, state, r)
         thresholds[r] = model.mod_calibrator().threshold.clone()
-        with torch.no_grad():  # attention's query rows per token, padded to the longest sequence: max_b n_b / T
+        with torch.no_grad(), amp():  # attention's query rows per token, padded to the longest sequence: max_b n_b / T
             executed_B = (_scores(model, state, 0) > thresholds[r][0]).sum(1)
         padded[r] = [float(executed_B.max()) / T if r > 0 else 1.0, fractions[r][1]]
     cpu = {r: [] for r in variants}
@@ -231,7 +252,7 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
         for _ in range(inner):
             for r in order[rep % len(order):] + order[:rep % len(order)]:
                 use_thresholds(model, thresholds[r], r > 0)
-                best[r] = min(best[r], step_seconds(model, state, probe))
+                best[r] = min(best[r], step_seconds(model, state, probe, amp))
         if rep:
             for r in variants:
                 cpu[r].append(best[r][0])
@@ -262,6 +283,11 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
               "repeats": repeats, "inner": inner, "overrides": list(overrides),
               "allocator": allocator if device == "cpu" else "cuda caching", "threads": torch.get_num_threads(),
               "nag_impl": getattr(model.stream, "impl", None),  # the resolved NAG backend (eager, compiled)
+              "precision": {**precision.describe(), "compute_dtype": str(precision.autocast_dtype or torch.float32)
+                            .split(".")[-1], "tf32": device == "cuda" and torch.backends.cuda.matmul.allow_tf32},
+              "compile": (f"{compiled['unit']}s ({', '.join(compiled['classes'])}), {compiled['backend']}"
+                          if compiled else "off"),
+              "expert_backend": model.blocks[0].ffn.backend,
               "device": device,
               "timing": "synchronised wall clock" if device == "cuda" else "process CPU time",
               "full_cpu_s_median": statistics.median(cpu[0.0]),
@@ -270,7 +296,8 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
     if profile:
         result["profile_s_per_step"] = profile_table(
             model, state, probe, {f"skip {r:.0%}": (thresholds[r], r > 0)
-                                  for r in (0.0, 0.2 if 0.2 in variants else rates[0])}, steps=profile_steps)
+                                  for r in (0.0, 0.2 if 0.2 in variants else rates[0])}, steps=profile_steps,
+            amp=amp)
     return result
 
 

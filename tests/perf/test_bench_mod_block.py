@@ -14,10 +14,13 @@ def test_block_benchmark_smoke_reports_every_field(tmp_path):
     out = tmp_path / "block.json"
     r = subprocess.run([sys.executable, "tools/bench_mod.py", "--block", "--smoke", "--threads", "1", "--profile", "1",
                         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "NAGMOE_CUDA_RULES": "2.11"})
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["benchmark"] == "mod_block" and result["smoke"] and result["device"] == "cpu"
+    # the Trainer's precision context (here CUDA's rules on the CPU, issue 38) and compile setting, named
+    assert result["precision"]["cuda_rules"] == "2.11" and result["precision"]["compute_dtype"] == "bfloat16"
+    assert result["compile"] == "off" and result["expert_backend"] == "grouped"
     assert result["allocator"] == "caching" and result["timing"] == "process CPU time"  # glibc: mallopt took
     assert result["nag_impl"] == "eager"  # the smoke skips inductor's compile; full runs measure `compiled`
     (row,) = result["rates"]
