@@ -11,14 +11,16 @@
 #              wall-clock gain vs its FLOP gain, NAG / baseline step time; eager fallback recorded as such
 #   resume     a 4-layer nag-mod20-r40 saved and resumed through the Trainer: losses match the straight run
 #   mod_block  the MoD block benchmark (tools/bench_mod.py --block, issue 28) at the paper's 16-row micro-batch
-#   env        the blocker below is active, imports, versions;  tests: tests/gpu/ (gpu-marked);
+#   env        the blocker below is active, imports, versions, the AutocastCUDA registrations and (GPU) the per-op
+#              autocast dtype probe against nagmoe's table of this torch;  tests: tests/gpu/ (gpu-marked);
 #   dcp        a DCP checkpoint of this torch read back through the restricted unpickler (.metadata kept)
 # Each limit is also capped by what is left of the script's budget (GPU_CHECK_BUDGET seconds: 350, --cpu 170).
 # `datasets`, `wandb` and `deepspeed` are hidden from every Python process (a meta-path blocker in a temporary
 # sitecustomize), as on the GPU machine, which has none of them: an import of one at import time fails here.
 #
 #   tools/gpu_check.sh            # on the GPU machine
-#   tools/gpu_check.sh --cpu      # CI: the same sections at tiny size on CPU (no install), < 3 minutes
+#   tools/gpu_check.sh --cpu      # CI: the same sections at tiny size on CPU (no install), < 3 minutes, in bf16
+#                                 # under CUDA's autocast rules of torch 2.11 (NAGMOE_CUDA_RULES, nagmoe/cuda_rules)
 # Results: $GPU_CHECK_OUT (default: $OUT if set, else a temporary folder): bench.json, gpu_check.log (every
 # section's output), the DCP .metadata. Run dirs and data live in a scratch folder removed at the end.
 # Test hooks: GPU_CHECK_SECTIONS=a,b (only those), GPU_CHECK_FAIL=name (that section fails at its start),
@@ -59,11 +61,14 @@ export PYTHONPATH="$BLOCK:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
 if [[ $MODE == cpu ]]; then
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" CUDA_VISIBLE_DEVICES=""
+  # CUDA's autocast rules of the GPU machine's torch on the CPU (bf16; nagmoe/cuda_rules): every section's Trainer
+  # meets the dtypes the GPU run will meet. NAGMOE_CUDA_RULES= (empty) runs plain fp32.
+  export NAGMOE_CUDA_RULES="${NAGMOE_CUDA_RULES-2.11}"
   BUDGET="${GPU_CHECK_BUDGET:-170}"
   SECTIONS=(data:30 train_r40:90 resume:60 mod_block:45 env:30 tests:60 dcp:30)
 else
   BUDGET="${GPU_CHECK_BUDGET:-350}"  # + at most 5 s of a last kill and the summary: under 6 minutes
-  SECTIONS=(install:60 data:45 train_r40:210 resume:90 mod_block:60 env:30 tests:90 dcp:30)
+  SECTIONS=(install:60 data:45 train_r40:210 resume:90 mod_block:60 env:45 tests:90 dcp:30)
 fi
 DRIVER=("$PY" "$REPO/tools/gpu_check_sections.py")
 LOG="$RESULTS/gpu_check.log"

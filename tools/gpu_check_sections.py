@@ -135,8 +135,20 @@ def section_env(ctx: Ctx) -> dict:
 
     cuda = torch.cuda.is_available()
     ctx.note_machine(torch=torch.__version__, device=torch.cuda.get_device_name(0) if cuda else "cpu")
+    autocast = {"cuda_registrations": sorted(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA"))}
+    if cuda:  # the ground truth for nagmoe/cuda_rules/table.py's table of this torch: per-op dtypes on the real GPU
+        from nagmoe.cuda_rules.probe import probe
+        from nagmoe.cuda_rules.table import rules_for
+
+        autocast["dtype_probe"] = real = probe("cuda")
+        try:
+            rules_for(torch.__version__)  # no table for this torch: the dump above is the material for one
+            tier = probe("tier", torch.__version__)
+            autocast["tier_disagrees"] = {k: {"cuda": real[k], "tier": tier[k]} for k in real if real[k] != tier[k]}
+        except Exception as e:  # noqa: BLE001 (recorded, the section still reports the rest)
+            autocast["tier_error"] = one_line(e)
     return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "autocast": autocast, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
             "capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
             "triton": importlib.util.find_spec("triton") is not None, "hidden": list(HIDDEN)}
 
@@ -215,6 +227,8 @@ def cmd_init(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     save(args.out, {"mode": args.mode, "date": now.isoformat(timespec="seconds"),
+                    # --cpu: CUDA's autocast rules of this torch version on the CPU (tools/gpu_check.sh sets it)
+                    "cuda_rules": os.environ.get("NAGMOE_CUDA_RULES") or None,
                     "machine": {"platform": platform.platform(), "python": platform.python_version(),
                                 "cpus": os.cpu_count()},
                     "sections": {}})

@@ -216,6 +216,7 @@ def counted_syncs(fn):
 def train_config(cfg, run_dir: str, s: dict, device, matmul: float, peak) -> dict:
     import torch
 
+    from nagmoe.cuda_rules.contracts import KernelContracts
     from nagmoe.flops import flops_per_token
     from nagmoe.train.memory import estimate_memory
     from nagmoe.train.trainer import Trainer
@@ -225,6 +226,7 @@ def train_config(cfg, run_dir: str, s: dict, device, matmul: float, peak) -> dic
     before = torch.cuda.memory_allocated() if device.type == "cuda" else None  # what an earlier config left
     trainer = Trainer(cfg, run_dir)  # not quiet: its device, backends and accumulation go to the log
     rows, syncs, sites, dynamo0 = [], None, None, dynamo_counts()
+    contracts = None  # compiled: the kernels (and their meta functions in the trace) check for themselves
     try:
         for i in range(s["steps"]):
             flops0 = trainer.progress.flops
@@ -232,6 +234,13 @@ def train_config(cfg, run_dir: str, s: dict, device, matmul: float, peak) -> dic
             t0 = time.perf_counter()
             if device.type == "cuda" and i == s["steps"] - 1:  # the last step: counted, not timed
                 rec, syncs, sites = counted_syncs(lambda: one_step(trainer))
+            elif i == 0 and not trainer.compiled:  # the first (untimed) step: the kernels' dtype contracts
+                with KernelContracts() as checked:
+                    rec = one_step(trainer)
+                contracts = {"grouped_mm_dtypes": sorted(set(checked.grouped_mm_dtypes)),
+                             "violations": checked.violations[:5]}
+                if checked.violations:
+                    raise SectionFailed(f"kernel contract broken: {checked.violations[0]}", {})
             else:
                 rec = one_step(trainer)
             sync(device)
@@ -261,6 +270,7 @@ def train_config(cfg, run_dir: str, s: dict, device, matmul: float, peak) -> dic
            "peak_reserved_bytes": torch.cuda.max_memory_reserved() if device.type == "cuda" else None,
            "allocated_before_bytes": before,
            "dynamo": {k: v - dynamo0[k] for k, v in dynamo_counts().items()},
+           "precision": trainer.precision.describe(), "kernel_contracts": contracts,
            "memory_estimate_bytes": estimate, "syncs_per_step": syncs, "sync_sites": sites, "losses": losses,
            "loss_finite": all(math.isfinite(x) for x in losses), "loss_falling": losses[-1] < losses[0]}
     if fractions is not None:  # MoD: what the trainer's accounting says the steady steps skipped and cost

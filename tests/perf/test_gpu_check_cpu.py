@@ -27,6 +27,7 @@ def test_gpu_check_cpu_mode_records_every_section(repo_root, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     sections = bench["sections"]
     assert list(sections) == list(CPU_SECTIONS)
+    assert bench["cuda_rules"] == "2.11"  # every section under CUDA's autocast rules of the GPU machine's torch
     for name, s in sections.items():
         assert s["status"] == "ok", (name, s)
     train = sections["train_r40"]["result"]
@@ -37,6 +38,8 @@ def test_gpu_check_cpu_mode_records_every_section(repo_root, tmp_path):
         assert c["compile"] in ("off", "on", "eager fallback") and c["grad_accum"] == 2
         assert c["tokens_per_s"] > 0 and 0 < c["mfu_vs_measured_matmul"] and c["memory_estimate_bytes"] > 0
         assert c["syncs_per_step"] is None and c["peak_memory_bytes"] is None  # CUDA-only readings
+        assert c["precision"]["cuda_rules"] == "2.11" and c["backends"]["precision"].endswith("torch 2.11")
+        assert c["kernel_contracts"] == {"grouped_mm_dtypes": [["bfloat16", "bfloat16"]], "violations": []}, name
     mod = train["mod"]
     assert 0 < mod["skip_rate"] < 1 and mod["charged_flop_ratio"] > 1 and mod["wall_clock_speedup"] > 0
     assert train["nag_over_baseline_step_time"] > 0
@@ -44,6 +47,8 @@ def test_gpu_check_cpu_mode_records_every_section(repo_root, tmp_path):
     assert resume["resumed_at_step"] == 2 and resume["max_rel_diff_after_resume"] <= resume["tolerance"]
     assert resume["losses_resumed"] == pytest.approx(resume["losses_straight"], rel=resume["tolerance"])
     assert sections["env"]["result"]["hidden"] == ["datasets", "wandb", "deepspeed"]
+    assert "aten::pow.Tensor_Scalar" in sections["env"]["result"]["autocast"]["cuda_registrations"]
+    assert sections["mod_block"]["result"]["precision"]["compute_dtype"] == "bfloat16"
     assert "skipped" in sections["tests"]["result"]["summary"]  # the gpu tests were collected, then skipped
     assert (tmp_path / sections["dcp"]["result"]["metadata"]).is_file()
     assert "| nag_mod20 |" in proc.stdout and "NAG / baseline step time" in proc.stdout
