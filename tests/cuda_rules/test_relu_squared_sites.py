@@ -9,7 +9,6 @@ from nagmoe.cuda_rules.contracts import KernelContracts, SavedActivationCheck, c
 from nagmoe.cuda_rules.tier import cuda_rules_autocast
 from nagmoe.model.mlp import DenseMLP
 from nagmoe.model.moe import MoELayer, Router
-from nagmoe.ops.grouped_experts import grouped_gemm_experts
 
 D, E, K, H = 32, 4, 2, 64
 
@@ -48,6 +47,8 @@ def test_dense_mlp_saves_no_fp32_copy():
 
 
 def test_grouped_gemm_path_gets_bf16():
+    from nagmoe.ops.grouped_experts import grouped_gemm_experts  # megablocks' two GEMMs, apart from the import
+
     def gmm(a, b, batch_sizes, trans_b=False):  # grouped_gemm.ops.gmm's contract, computed per group on the CPU
         check_gmm_operands(a, b)
         ends = torch.cumsum(batch_sizes, 0).tolist()
