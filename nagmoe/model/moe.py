@@ -36,7 +36,7 @@ from nagmoe.config import MoEConfig
 from nagmoe.errors import UserError
 from nagmoe.model.init_rng import ParamInit
 from nagmoe.model.roles import MATRIX, ROUTER
-from nagmoe.ops.grouped_experts import EXPERT_FORWARD, resolve_expert_backend
+from nagmoe.ops.grouped_experts import EXPERT_FORWARD, expert_compute_dtype, resolve_expert_backend
 
 
 class Router(nn.Linear):
@@ -189,9 +189,13 @@ class MoELayer(nn.Module):
         z = router_z_loss(logits_NE)
         aux_loss = self.lb_loss_weight * lb + self.z_loss_weight * z
 
-        # 2. dispatch: slot s = n·K + k; sort slots by expert (stable: token order within an expert)
+        # 2. dispatch: slot s = n·K + k; sort slots by expert (stable: token order within an expert). Cast to the
+        # experts' compute dtype first (bf16 under autocast): the slot copy and an expert-parallel payload are then
+        # N·K rows of bf16, not fp32, both ways. One gather from the K-expanded view: its backward writes each
+        # (n, k) once, then sums over k (no colliding index_add).
         order_S = torch.argsort(expert_NK.reshape(-1), stable=True)
-        x_SD = x_ND.unsqueeze(1).expand(N, K, D).reshape(N * K, D)[order_S]
+        x_NKD = x_ND.to(expert_compute_dtype(x_ND)).unsqueeze(1).expand(N, K, D)
+        x_SD = x_NKD[order_S // K, order_S % K]
 
         # 3. experts (with a capacity: only the kept slots travel; the dropped ones get y = 0)
         capacity = self.capacity(N) if self.training else None
@@ -213,7 +217,9 @@ class MoELayer(nn.Module):
         unsort_S = torch.empty_like(order_S)
         unsort_S[order_S] = torch.arange(N * K, device=order_S.device)
         y_NKD = y_SD[unsort_S].view(N, K, D)
-        y_ND = (y_NKD * gate_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(dim=1)
+        # the experts' dtype, said explicitly: CUDA's autocast runs a dtype-less `sum` in fp32 (CPU's does not), which
+        # made the output's dtype differ between the machines and the backward an fp32 (N, K, D) temporary
+        y_ND = (y_NKD * gate_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(dim=1, dtype=y_NKD.dtype)
 
         self.last_stats = {"lb_loss": lb.detach(), "z_loss": z.detach(), "tokens_per_expert": counts_E.detach(),
                            "router_entropy_sum": torch.special.entr(probs_NE.detach()).sum(),

@@ -100,8 +100,10 @@ def grouped_mm_supports(dtype: torch.dtype, device_type: str, D: int, H: int) ->
     return D % align == 0 and H % align == 0
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    # `_grouped_mm` is not on autocast's lists: follow autocast by hand so grouped and loop agree under it.
+def expert_compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype every expert backend computes and returns: the autocast dtype when autocast is on for x's device,
+    else x's own. `_grouped_mm` is on no autocast list: followed by hand so grouped and loop agree under it; the
+    dispatch casts to it before the slots are copied and shipped (nagmoe/model/moe.py, expert parallelism)."""
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
@@ -109,7 +111,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def experts_grouped(x_SD: torch.Tensor, w_in_EDH: torch.Tensor, w_out_EHD: torch.Tensor,
                     counts_E: torch.Tensor) -> torch.Tensor:
-    dtype = _compute_dtype(x_SD)
+    dtype = expert_compute_dtype(x_SD)
     D, H = w_in_EDH.shape[1], w_in_EDH.shape[2]
     if not grouped_mm_supports(dtype, x_SD.device.type, D, H):
         warnings.warn(f"moe_experts: torch._grouped_mm cannot run {dtype} on {x_SD.device.type} with D={D}, "
@@ -130,7 +132,7 @@ def experts_megablocks(x_SD: torch.Tensor, w_in_EDH: torch.Tensor, w_out_EHD: to
                        counts_E: torch.Tensor) -> torch.Tensor:
     from grouped_gemm import ops as gg_ops  # lazy: a CUDA-only extension
 
-    dtype = _compute_dtype(x_SD)
+    dtype = expert_compute_dtype(x_SD)
     if x_SD.device.type != "cuda" or dtype != torch.bfloat16:
         warnings.warn("moe_experts: grouped_gemm needs bf16 on CUDA; using the slow loop", stacklevel=2)
         return experts_loop(x_SD, w_in_EDH, w_out_EHD, counts_E)

@@ -31,8 +31,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
+from nagmoe.cuda_rules.contracts import payload_dtypes_agree
 from nagmoe.model.moe import MoELayer
-from nagmoe.ops.grouped_experts import EXPERT_FORWARD
+from nagmoe.ops.grouped_experts import EXPERT_FORWARD, expert_compute_dtype
 from nagmoe.parallel.mesh import ParallelMesh
 
 EXPERT_PARAMS = ("w_in", "w_out")
@@ -50,6 +51,9 @@ class AllToAllDispatcher:
         # mirrors them; evaluation and guard re-runs under no_grad are left out), python ints from the split
         # sizes already read, so counting costs no sync
         self.traffic = {"calls": 0, "sent": 0, "received": 0}
+        # debug: before each token all-to-all, check that every rank ships one dtype (two small all-reduces);
+        # the Trainer turns it on under CUDA's rules on the CPU (NAGMOE_CUDA_RULES)
+        self.check_payload_dtypes = False
 
     def take_traffic(self) -> dict:
         """{"calls", "sent", "received"} rows since the last call (tools/bench_ep_imbalance.py), then reset."""
@@ -81,6 +85,8 @@ class AllToAllDispatcher:
             self.traffic["sent"] += sum(send_sizes)
             self.traffic["received"] += sum(recv_sizes)
         # 2. tokens out
+        if self.check_payload_dtypes:
+            payload_dtypes_agree(x_SD, self.group)
         x_RD = funcol.all_to_all_single_autograd(x_SD.contiguous(), recv_sizes, send_sizes, self.group)
         # 3. local experts, rows grouped expert-major
         local_expert_R = torch.repeat_interleave(
@@ -88,14 +94,18 @@ class AllToAllDispatcher:
             output_size=sum(recv_sizes))
         order_R = torch.argsort(local_expert_R, stable=True)
         counts_L = recv_PL.sum(0).to(counts_E.device)
-        if x_RD.shape[0] == 0:
-            y_RD = x_RD * 0.0  # nothing to compute, but keep the graph so the backward all-to-all runs
+        if x_RD.shape[0] == 0:  # nothing to compute, but keep the graph so the backward all-to-all runs; in the
+            # experts' compute dtype: the return all-to-all sizes its buffers by each rank's own dtype, so an fp32
+            # empty rank among bf16 ones would give the others garbage rows, not an error
+            y_RD = x_RD.to(expert_compute_dtype(x_RD)) * 0.0
         else:
             y_sorted = EXPERT_FORWARD[layer.backend](x_RD[order_R], layer.w_in, layer.w_out, counts_L)
             unsort_R = torch.empty_like(order_R)
             unsort_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
             y_RD = y_sorted[unsort_R]
         # 4. results back to the sources, in the order of x_SD
+        if self.check_payload_dtypes:
+            payload_dtypes_agree(y_RD, self.group)
         return funcol.all_to_all_single_autograd(y_RD.contiguous(), send_sizes, recv_sizes, self.group)
 
 

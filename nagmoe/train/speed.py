@@ -119,11 +119,11 @@ def _compiled_class_forward(cls, backend):
 def _experts_in_graph(layer, x_SD: torch.Tensor) -> bool:
     """Whether the MoE's expert call can stay inside the compiled graph: no host read in it (module
     docstring). Evaluated while tracing (the dtype under autocast is known then)."""
-    from nagmoe.ops.grouped_experts import _compute_dtype, grouped_mm_supports
+    from nagmoe.ops.grouped_experts import expert_compute_dtype, grouped_mm_supports
 
     if layer.dispatcher is not None or layer.backend != "grouped":
         return False
-    return grouped_mm_supports(_compute_dtype(x_SD), x_SD.device.type, layer.w_in.shape[1], layer.w_in.shape[2])
+    return grouped_mm_supports(expert_compute_dtype(x_SD), x_SD.device.type, layer.w_in.shape[1], layer.w_in.shape[2])
 
 
 def _run_experts(layer, in_graph, eager, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

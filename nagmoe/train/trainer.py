@@ -155,6 +155,10 @@ class Trainer:
             with torch.device("meta"):  # the structure only: no rank allocates the whole model (issue 25) ...
                 self.model = build_model(m)
             self.expert_names = shard_experts(self.model, mesh)  # ... each EP rank keeps its experts (still meta)
+            if self.precision.rules:  # CUDA's rules on the CPU are a debug run: check the EP payloads' dtypes too
+                for layer in self.model.modules():
+                    if getattr(layer, "dispatcher", None) is not None:
+                        layer.dispatcher.check_payload_dtypes = True
             # ... and draws only what it holds, each parameter (expert) from its (train.seed, name, global expert)
             # generator: every EP layout and device starts from the same weights (nagmoe/model/init_rng.py)
             init_model(self.model, t.seed, self.device)

@@ -30,6 +30,7 @@ def _rank_run(overrides, run_dir):
     return {"violations": contracts.violations + [str(v) for v in saved.violations],
             "grouped": sorted(set(contracts.grouped_mm_dtypes)), "steps": summary["steps"],
             "val_bpb": summary["val_bpb"], "dispatcher": repr(layer.dispatcher),
+            "dtype_check": layer.dispatcher.check_payload_dtypes,
             "finite": all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters()),
             "precision": trainer.backends["precision"]}
 
@@ -41,5 +42,5 @@ def test_expert_parallel_trainer_under_cuda_rules(micro_overrides, tmp_path):
     for rank, r in enumerate(results):
         assert r["violations"] == [], (rank, r["violations"][:3])
         assert r["grouped"] == [("bfloat16", "bfloat16")] and r["steps"] == 3 and r["finite"], (rank, r)
-        assert "AllToAllDispatcher(ep=2" in r["dispatcher"] and "CUDA's rules of torch 2.11" in r["precision"]
+        assert r["dtype_check"] and "AllToAllDispatcher(ep=2" in r["dispatcher"] and "CUDA's rules of torch 2.11" in r["precision"]
     assert results[0]["val_bpb"] == results[1]["val_bpb"]
