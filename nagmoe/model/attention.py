@@ -53,10 +53,32 @@ ATTENTION_IMPL.register("math")
 ATTENTION_IMPL.register("flash", available=_flash_available)  # only when asked for (after sdpa for `auto`)
 
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def flash_inputs(q_BHTS, k_BKLS, v_BKLS) -> Optional[tuple]:
+    """q, k, v cast together to one low-precision dtype for flash-attn (fp16/bf16 only), or None: fp32 inputs
+    outside autocast take SDPA. Checking q alone is not enough: under CUDA's autocast from torch 2.12 `rms_norm`
+    is fp32, so CCA's and QK-norm's q and k leave it fp32 while v is bf16. The dtype: autocast's when it is on,
+    else the low-precision dtype one of them already has."""
+    device = q_BHTS.device.type
+    if torch.is_autocast_enabled(device):
+        low = torch.get_autocast_dtype(device)
+    else:
+        low = next((t.dtype for t in (q_BHTS, k_BKLS, v_BKLS) if t.dtype in LOW_PRECISION), None)
+    if low not in LOW_PRECISION:
+        return None
+    return tuple(t.to(low) for t in (q_BHTS, k_BKLS, v_BKLS))
+
+
 def _flash_causal(q_BHTS, k_BKLS, v_BKLS):
     """flash-attn's kernel: (B, T, H, S) layout, GQA natively, causal mask aligned bottom-right (so a KV-cache
-    offset is the same mask as ours); bf16/fp16 only — fp32 inputs take SDPA."""
+    offset is the same mask as ours); q, k and v in one of fp16/bf16 (`flash_inputs`)."""
     from flash_attn import flash_attn_func
+
+    dtypes = {q_BHTS.dtype, k_BKLS.dtype, v_BKLS.dtype}
+    if len(dtypes) != 1 or not dtypes <= set(LOW_PRECISION):
+        raise RuntimeError(f"flash-attn needs q, k, v in one of fp16/bf16, got {sorted(map(str, dtypes))}")
 
     out_BTHS = flash_attn_func(q_BHTS.transpose(1, 2), k_BKLS.transpose(1, 2), v_BKLS.transpose(1, 2),
                                causal=True)
@@ -116,8 +138,9 @@ def causal_attention(q_BHTS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: torch.T
     T, L = q_BHTS.shape[2], k_BKLS.shape[2]
     if L != q_offset + T:
         raise ValueError(f"causal_attention: {L} keys for {T} queries at offset {q_offset}")
-    if impl == "flash" and q_BHTS.dtype in (torch.float16, torch.bfloat16):
-        return _flash_causal(q_BHTS, k_BKLS, v_BKLS)
+    qkv = flash_inputs(q_BHTS, k_BKLS, v_BKLS) if impl == "flash" else None
+    if qkv is not None:
+        return _flash_causal(*qkv)
     if impl in ("sdpa", "flash"):
         if q_offset == 0:  # square: SDPA's own causal mask
             return F.scaled_dot_product_attention(q_BHTS, k_BKLS, v_BKLS, is_causal=True, enable_gqa=n_rep > 1)
