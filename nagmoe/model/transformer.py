@@ -191,7 +191,10 @@ class Transformer(nn.Module):
         return InferenceCache(len(self.blocks), max_len or self.config.max_seq_len)
 
     def forward(self, idx_BT: torch.Tensor, targets_BT: Optional[torch.Tensor] = None, reduction: str = "mean",
-                collect_stats: Optional[bool] = None, cache: Optional[InferenceCache] = None) -> ModelOutput:
+                collect_stats: Optional[bool] = None, cache: Optional[InferenceCache] = None,
+                decode: bool = True) -> ModelOutput:
+        """`decode=False` stops after the blocks (no logits, no loss): the statistics of the residual stream without
+        a (B, T, V) tensor (the gate-collapse check reads only the sublayers' gains)."""
         want_stats = self.collect_stats if collect_stats is None else collect_stats
         stats = StatsCollector() if want_stats else None
         state = self.stream.encode(self.wte, idx_BT, stats)
@@ -205,6 +208,8 @@ class Transformer(nn.Module):
             state, aux = self.stream.apply(index, sublayer, state, stats)
             if aux is not None:
                 aux_loss = aux_loss + aux
+        if not decode:
+            return ModelOutput(None, None, aux_loss, stats.as_dict() if stats is not None else None)
         if targets_BT is not None and self.precision == "uniform" and stats is None:
             loss = chunked_loss(self.stream, state, self.lm_head, targets_BT, reduction,
                                 self.loss_chunk_tokens or max(1, LOSS_CHUNK_ELEMENTS // self.config.vocab_size))

@@ -128,12 +128,14 @@ def nonfinite_message(step: int, loss: float, grad_norm, where: str, mode: str) 
 @torch.no_grad()
 def realised_gains(model: nn.Module, x_BT: torch.Tensor, autocast=None) -> Optional[list[float]]:
     """Mean realised gain |alpha·m·warmup| per NAG sublayer on one batch (None for a pre-norm model). One
-    no-grad forward in eval mode (MoD training histograms untouched)."""
+    no-grad forward in eval mode (MoD training histograms untouched) that stops after the blocks: the gains are
+    the sublayers' statistics, and decoding would make the full (B, T, V) logits (6 GiB at the paper's
+    micro-batch) every `train.gate_collapse_every` steps."""
     was_training = model.training
     model.eval()
     try:
         with autocast if autocast is not None else nullcontext():
-            stats = model(x_BT, collect_stats=True).stats
+            stats = model(x_BT, collect_stats=True, decode=False).stats
     finally:
         model.train(was_training)
     return None if stats is None or "gain_mean" not in stats else list(stats["gain_mean"])
