@@ -222,6 +222,7 @@ def bench_block(rows: int = 1, repeats: int = 7, rates=RATES, smoke: bool = Fals
 def _bench_block(cfg, model, precision, rows, repeats, rates, smoke, profile, profile_steps, seed, device, inner,
                  overrides, allocator) -> dict:
     from nagmoe.flops import executed_flops_per_token, flops_per_token
+    from nagmoe.train.backends_ran import collect as collect_backends_ran
     from nagmoe.train.speed import compile_model, resolve_compile
 
     amp = precision.autocast
@@ -292,7 +293,8 @@ def _bench_block(cfg, model, precision, rows, repeats, rates, smoke, profile, pr
               "timing": "synchronised wall clock" if device == "cuda" else "process CPU time",
               "full_cpu_s_median": statistics.median(cpu[0.0]),
               "full_cpu_s_range": [min(cpu[0.0]), max(cpu[0.0])], "rates": out_rates,
-              "time_vs_charged_flops": fixed_time_fit(fit_points)}
+              "time_vs_charged_flops": fixed_time_fit(fit_points),
+              "backends_ran": collect_backends_ran(model)}  # the kernels the timed steps ran, fallbacks named
     if profile:
         result["profile_s_per_step"] = profile_table(
             model, state, probe, {f"skip {r:.0%}": (thresholds[r], r > 0)

@@ -271,6 +271,7 @@ def train_config(cfg, run_dir: str, s: dict, device, matmul: float, peak) -> dic
            "allocated_before_bytes": before,
            "dynamo": {k: v - dynamo0[k] for k, v in dynamo_counts().items()},
            "precision": trainer.precision.describe(), "kernel_contracts": contracts,
+           "backends_ran": trainer.backends_ran,
            "memory_estimate_bytes": estimate, "syncs_per_step": syncs, "sync_sites": sites, "losses": losses,
            "loss_finite": all(math.isfinite(x) for x in losses), "loss_falling": losses[-1] < losses[0]}
     if fractions is not None:  # MoD: what the trainer's accounting says the steady steps skipped and cost

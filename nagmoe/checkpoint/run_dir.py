@@ -106,6 +106,24 @@ def git_commit() -> str:
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def update_run_info(run_dir: str, key: str, value) -> bool:
+    """Set one key of this start's run_info.json (atomically; the rest, `previous` included, kept). False, and
+    nothing written, when the file is missing or not a JSON object (someone else's file is not rewritten)."""
+    path = os.path.join(run_dir, RUN_INFO_FILE)
+    try:
+        with open(path) as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return False
+    if not isinstance(info, dict):
+        return False
+    info[key] = value
+    with open(path + ".tmp", "w") as f:
+        json.dump(info, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return True
+
+
 def write_run_info(run_dir: str, backends: dict, device: str, extra: dict | None = None) -> dict:
     import numpy
     import torch

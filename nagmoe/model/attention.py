@@ -127,25 +127,50 @@ def apply_rope(x_BTHS: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor)
     return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
 
 
+_SDPA_KERNELS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}  # torch's SDPBackend
+
+
+def sdpa_kernel(q, k, v, attn_mask=None, is_causal: bool = False, enable_gqa: bool = False) -> str:
+    """The kernel F.scaled_dot_product_attention picks for this call (torch's own choice function: a host-side
+    decision on dtypes, shapes, mask and the enabled backends; no device sync). Inside a compiled graph the
+    choice is the compiler's."""
+    if torch.compiler.is_compiling():
+        return "in the compiled graph"
+    try:
+        choice = int(torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, is_causal, scale=None, enable_gqa=enable_gqa))
+    except (RuntimeError, TypeError, AttributeError):
+        return "unknown"
+    name = _SDPA_KERNELS.get(choice, str(choice))
+    return name + ("_for_cpu" if name == "flash" and q.device.type == "cpu" else "")
+
+
 def causal_attention(q_BHTS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: torch.Tensor, impl: str,
-                     q_offset: int = 0) -> torch.Tensor:
+                     q_offset: int = 0, ran: Optional[dict] = None) -> torch.Tensor:
     """softmax(q kᵀ / sqrt(S) + causal mask) v, with K <= H key/value heads shared by H/K query heads each
     (query head h reads key/value head h // (H/K)).
 
     The L = q_offset + T keys cover the T queries' own positions and the q_offset positions before them
-    (a KV cache): query i (absolute position q_offset + i) sees keys j <= q_offset + i."""
+    (a KV cache): query i (absolute position q_offset + i) sees keys j <= q_offset + i. `ran` (a module's
+    record) gets the kernel that ran: `flash-attn`, `sdpa:<SDPA's kernel>` or `math`."""
     n_rep = q_BHTS.shape[1] // k_BKLS.shape[1]
     T, L = q_BHTS.shape[2], k_BKLS.shape[2]
     if L != q_offset + T:
         raise ValueError(f"causal_attention: {L} keys for {T} queries at offset {q_offset}")
     qkv = flash_inputs(q_BHTS, k_BKLS, v_BKLS) if impl == "flash" else None
     if qkv is not None:
+        if ran is not None:
+            ran["attention"] = "flash-attn"
         return _flash_causal(*qkv)
     if impl in ("sdpa", "flash"):
-        if q_offset == 0:  # square: SDPA's own causal mask
-            return F.scaled_dot_product_attention(q_BHTS, k_BKLS, v_BKLS, is_causal=True, enable_gqa=n_rep > 1)
-        mask_TL = None if T == 1 else _visible_TL(T, q_offset, q_BHTS.device)  # one new token sees everything
-        return F.scaled_dot_product_attention(q_BHTS, k_BKLS, v_BKLS, attn_mask=mask_TL, enable_gqa=n_rep > 1)
+        causal = q_offset == 0  # square: SDPA's own causal mask; a new token alone sees everything
+        mask_TL = None if causal or T == 1 else _visible_TL(T, q_offset, q_BHTS.device)
+        if ran is not None:
+            ran["attention"] = ("sdpa (flash-attn needs fp16/bf16): " if impl == "flash" else "sdpa:") + \
+                sdpa_kernel(q_BHTS, k_BKLS, v_BKLS, mask_TL, causal, n_rep > 1)
+        return F.scaled_dot_product_attention(q_BHTS, k_BKLS, v_BKLS, attn_mask=mask_TL, is_causal=causal,
+                                              enable_gqa=n_rep > 1)
+    if ran is not None:
+        ran["attention"] = "math"
     # math: the explicit reference (softmax in fp32)
     k_BHLS = k_BKLS.repeat_interleave(n_rep, dim=1)
     v_BHLS = v_BKLS.repeat_interleave(n_rep, dim=1)
@@ -157,7 +182,8 @@ def causal_attention(q_BHTS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: torch.T
 
 def attention_at_positions(q_BHMS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: torch.Tensor, impl: str,
                            positions_BM: torch.Tensor, max_blocks: int = 8, min_block: int = 256,
-                           key_ends: Optional[list] = None, chunks: Optional[tuple] = None) -> torch.Tensor:
+                           key_ends: Optional[list] = None, chunks: Optional[tuple] = None,
+                           ran: Optional[dict] = None) -> torch.Tensor:
     """Causal attention for queries at arbitrary absolute positions (MoD's executed queries, padded per
     sequence): query m of sequence b sees keys j <= positions_BM[b, m]. The mask comes from the original
     positions, so only B·M score rows are computed (`math` really computes only those, full key length: the
@@ -181,6 +207,8 @@ def attention_at_positions(q_BHMS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: t
         valid_BM, chunk_rows, chunk = chunks
         k_BHLS = k_BKLS.repeat_interleave(n_rep, dim=1) if n_rep > 1 else k_BKLS
         v_BHLS = v_BKLS.repeat_interleave(n_rep, dim=1) if n_rep > 1 else v_BKLS
+        if ran is not None:
+            ran["attention_at_positions"] = "chunked position kernel (nagmoe/ops/position_attention.py)"
         return chunked_position_attention(q_BHMS, k_BHLS, v_BHLS, positions_BM, valid_BM, chunk_rows, chunk)
     if impl in ("sdpa", "flash") and M > 0:  # flash: no position-masked kernel, SDPA runs it (no queries: the math path below keeps the empty graph connected)
         size = max(min_block, -(-M // max_blocks))
@@ -195,10 +223,15 @@ def attention_at_positions(q_BHMS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: t
             keys = ends[stop - 1]
             visible_B1mL = (torch.arange(keys, device=q_BHMS.device)
                             <= positions_BM[:, start:stop].unsqueeze(-1)).unsqueeze(1)
-            outs.append(F.scaled_dot_product_attention(
-                q_BHMS[:, :, start:stop], k_BKLS[:, :, :keys], v_BKLS[:, :, :keys], attn_mask=visible_B1mL,
-                enable_gqa=n_rep > 1))
+            q_part, k_part, v_part = q_BHMS[:, :, start:stop], k_BKLS[:, :, :keys], v_BKLS[:, :, :keys]
+            if ran is not None and start == 0:  # every block has the same dtypes and kind of mask
+                ran["attention_at_positions"] = "sdpa blocks:" + sdpa_kernel(q_part, k_part, v_part, visible_B1mL,
+                                                                              False, n_rep > 1)
+            outs.append(F.scaled_dot_product_attention(q_part, k_part, v_part, attn_mask=visible_B1mL,
+                                                       enable_gqa=n_rep > 1))
         return torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
+    if ran is not None:
+        ran["attention_at_positions"] = "math"
     visible_B1ML = (torch.arange(L, device=q_BHMS.device) <= positions_BM.unsqueeze(-1)).unsqueeze(1)
     k_BHLS = k_BKLS.repeat_interleave(n_rep, dim=1)
     v_BHLS = v_BKLS.repeat_interleave(n_rep, dim=1)
@@ -289,6 +322,7 @@ class MultiHeadAttention(nn.Module):
         self.rope_base = attn_cfg.rope_base
         self.rot_dims = rotary_dims(self.head_dim, attn_cfg.rope_fraction)
         self.impl = resolve_attention_impl(attn_cfg.impl)
+        self.ran: dict[str, str] = {}  # the kernels the last call ran (nagmoe.train.backends_ran), no sync
         self.init_std = init_std if init_std is not None else d_model ** -0.5
         self.c_q = nn.Linear(d_model, self.n_heads * self.head_dim, bias=False)
         self.c_k = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
@@ -322,7 +356,8 @@ class MultiHeadAttention(nn.Module):
             q_BTHS = apply_rope(self.c_q(x_BTD).view(B, T, H, S), cos, sin)
             if self.qk_norm:
                 q_BTHS = rms_norm(q_BTHS)
-            y_BHTS = causal_attention(q_BTHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, q_offset=offset)
+            y_BHTS = causal_attention(q_BTHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, q_offset=offset,
+                                      ran=self.ran)
             return self.c_proj(y_BHTS.transpose(1, 2).reshape(B, T, H * S)), None
         # MoD: the query projection, score rows and output projection of the executed tokens only
         q_NHS = self.c_q(select.gather(x_BTD)).view(-1, H, S)
@@ -330,7 +365,8 @@ class MultiHeadAttention(nn.Module):
         if self.qk_norm:
             q_BMHS = rms_norm(q_BMHS)
         y_BHMS = attention_at_positions(q_BMHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, positions_BM,
-                                        key_ends=select.key_ends_at(offset), chunks=select.position_chunks(offset))
+                                        key_ends=select.key_ends_at(offset), chunks=select.position_chunks(offset),
+                                        ran=self.ran)
         y_NHS = select.from_padded(y_BHMS.transpose(1, 2))
         return self.c_proj(y_NHS.reshape(-1, H * S)), None
 

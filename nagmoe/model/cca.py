@@ -84,6 +84,7 @@ class CCAttention(nn.Module):
         self.rope_base = attn_cfg.rope_base
         self.rot_dims = rotary_dims(self.head_dim, attn_cfg.rope_fraction)
         self.impl = resolve_attention_impl(attn_cfg.impl)
+        self.ran: dict[str, str] = {}  # the kernels the last call ran (nagmoe.train.backends_ran), no sync
         self.init_std = init_std if init_std is not None else d_model ** -0.5
         self.c_q = nn.Linear(d_model, H * S, bias=False)
         self.c_k = nn.Linear(d_model, K * S, bias=False)
@@ -177,10 +178,12 @@ class CCAttention(nn.Module):
             k_BKLS, v_BKLS = cache.append(k_BKLS, v_BKLS)
         if select is None:
             q_BTHS = apply_rope(rms_norm(q_BTHS), cos, sin)
-            y_BHTS = causal_attention(q_BTHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, q_offset=offset)
+            y_BHTS = causal_attention(q_BTHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, q_offset=offset,
+                                      ran=self.ran)
             return self.c_proj(y_BHTS.transpose(1, 2).reshape(B, T, H * S)), None
         # every token's latent query exists already (the convs need it): one copy into the padded layout
         q_BMHS, positions_BM = executed_queries(rms_norm(select.gather_padded(q_BTHS)), cos, sin, select, offset)
         y_BHMS = attention_at_positions(q_BMHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, positions_BM,
-                                        key_ends=select.key_ends_at(offset), chunks=select.position_chunks(offset))
+                                        key_ends=select.key_ends_at(offset), chunks=select.position_chunks(offset),
+                                        ran=self.ran)
         return self.c_proj(select.from_padded(y_BHMS.transpose(1, 2)).reshape(-1, H * S)), None

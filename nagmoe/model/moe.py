@@ -36,7 +36,7 @@ from nagmoe.config import MoEConfig
 from nagmoe.errors import UserError
 from nagmoe.model.init_rng import ParamInit
 from nagmoe.model.roles import MATRIX, ROUTER
-from nagmoe.ops.grouped_experts import EXPERT_FORWARD, expert_compute_dtype, resolve_expert_backend
+from nagmoe.ops.grouped_experts import EXPERT_FORWARD, expert_compute_dtype, expert_path, resolve_expert_backend
 
 
 class Router(nn.Linear):
@@ -124,6 +124,7 @@ class MoELayer(nn.Module):
         self.gate_scale_output = gate_scale_output
         self.capacity_factor = getattr(cfg, "capacity_factor", None)
         self.last_stats: dict[str, torch.Tensor] = {}
+        self.ran: dict[str, str] = {}  # the expert path the last call took (nagmoe.train.backends_ran)
         # Token movement hook, set from outside (nagmoe.parallel): `dispatcher(layer, x_SD, counts_E) -> y_SD`
         # replaces the local expert call; an expert-parallel one also holds only this rank's slice of
         # w_in / w_out. None = all experts local. Model code stays single-device.
@@ -170,6 +171,7 @@ class MoELayer(nn.Module):
         """Expert MLPs on slots sorted by expert (the seam an expert-parallel dispatcher replaces)."""
         if self.dispatcher is not None:
             return self.dispatcher(self, x_SD, counts_E)
+        self.ran["experts"] = expert_path(self.backend, x_SD, self.w_in)  # what ran (run_info.json), no sync
         return EXPERT_FORWARD[self.backend](x_SD, self.w_in, self.w_out, counts_E)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple:

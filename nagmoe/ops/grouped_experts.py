@@ -109,11 +109,24 @@ def expert_compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def expert_path(backend: str, x_SD: torch.Tensor, w_in_EDH: torch.Tensor) -> str:
+    """What `EXPERT_FORWARD[backend]` will run for this call: the backend, or `loop (fallback: why)` — the one
+    decision the backends themselves take (python only: no host read). Recorded in run_info.json after step 1."""
+    dtype, device = expert_compute_dtype(x_SD), x_SD.device.type
+    if backend == "grouped" and not grouped_mm_supports(dtype, device, w_in_EDH.shape[1], w_in_EDH.shape[2]):
+        return (f"loop (fallback: _grouped_mm cannot run {str(dtype).split('.')[-1]} on {device}"
+                f"{' compiled' if torch.compiler.is_compiling() else ''} with D={w_in_EDH.shape[1]}, "
+                f"H={w_in_EDH.shape[2]})")
+    if backend == "megablocks" and (device != "cuda" or dtype != torch.bfloat16):
+        return f"loop (fallback: grouped_gemm needs bf16 on cuda, got {str(dtype).split('.')[-1]} on {device})"
+    return backend
+
+
 def experts_grouped(x_SD: torch.Tensor, w_in_EDH: torch.Tensor, w_out_EHD: torch.Tensor,
                     counts_E: torch.Tensor) -> torch.Tensor:
     dtype = expert_compute_dtype(x_SD)
     D, H = w_in_EDH.shape[1], w_in_EDH.shape[2]
-    if not grouped_mm_supports(dtype, x_SD.device.type, D, H):
+    if expert_path("grouped", x_SD, w_in_EDH) != "grouped":
         warnings.warn(f"moe_experts: torch._grouped_mm cannot run {dtype} on {x_SD.device.type} with D={D}, "
                       f"H={H} (needs bf16, or fp32 on CPU in eager mode, and 16-byte row strides); "
                       f"using the slow loop", stacklevel=2)
@@ -133,7 +146,7 @@ def experts_megablocks(x_SD: torch.Tensor, w_in_EDH: torch.Tensor, w_out_EHD: to
     from grouped_gemm import ops as gg_ops  # lazy: a CUDA-only extension
 
     dtype = expert_compute_dtype(x_SD)
-    if x_SD.device.type != "cuda" or dtype != torch.bfloat16:
+    if expert_path("megablocks", x_SD, w_in_EDH) != "megablocks":
         warnings.warn("moe_experts: grouped_gemm needs bf16 on CUDA; using the slow loop", stacklevel=2)
         return experts_loop(x_SD, w_in_EDH, w_out_EHD, counts_E)
     return grouped_gemm_experts(gg_ops.gmm, x_SD.to(dtype), w_in_EDH.to(dtype), w_out_EHD.to(dtype), counts_E)

@@ -33,7 +33,7 @@ from torch.distributed import _functional_collectives as funcol
 
 from nagmoe.cuda_rules.contracts import payload_dtypes_agree
 from nagmoe.model.moe import MoELayer
-from nagmoe.ops.grouped_experts import EXPERT_FORWARD, expert_compute_dtype
+from nagmoe.ops.grouped_experts import EXPERT_FORWARD, expert_compute_dtype, expert_path
 from nagmoe.parallel.mesh import ParallelMesh
 
 EXPERT_PARAMS = ("w_in", "w_out")
@@ -94,6 +94,7 @@ class AllToAllDispatcher:
             output_size=sum(recv_sizes))
         order_R = torch.argsort(local_expert_R, stable=True)
         counts_L = recv_PL.sum(0).to(counts_E.device)
+        layer.ran["experts"] = expert_path(layer.backend, x_RD, layer.w_in) + " (expert-parallel)"
         if x_RD.shape[0] == 0:  # nothing to compute, but keep the graph so the backward all-to-all runs; in the
             # experts' compute dtype: the return all-to-all sizes its buffers by each rank's own dtype, so an fp32
             # empty rank among bf16 ones would give the others garbage rows, not an error

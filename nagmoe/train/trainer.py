@@ -48,7 +48,9 @@ from nagmoe.train.guards import (
     locate_nonfinite, nonfinite_message, realised_gains, warn)
 from nagmoe.train.preemption import PreemptionWatch
 from nagmoe.train.precision_context import TrainingPrecision, reusable_autocast
-from nagmoe.checkpoint.run_dir import adopt_legacy_values, prepare_run_dir, write_run_info, write_summary
+from nagmoe.checkpoint.run_dir import (adopt_legacy_values, prepare_run_dir, update_run_info, write_run_info,
+                                      write_summary)
+from nagmoe.train.backends_ran import collect as collect_backends_ran, merge as merge_backends_ran
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
 from nagmoe.train.checkpoint_schedule import CheckpointSchedule, save_error
 from nagmoe.train.memory import eager_memory_refusal, micro_batch_rows
@@ -100,6 +102,7 @@ class Trainer:
         self.device = resolve_device(t.device)
         # bf16 autocast on CUDA; on the CPU fp32, or bf16 under CUDA's rules with NAGMOE_CUDA_RULES (issue 38)
         self.precision = TrainingPrecision(self.device.type)
+        self.backends_ran: dict = {}  # what the steps ran, merged (nagmoe/train/backends_ran.py)
         self.autocast = reusable_autocast(self.precision)
         if mesh is None and world_size == 1:
             mesh = ParallelMesh.from_process_group(cfg, self.device.type)
@@ -346,7 +349,9 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step (forward, backward, optimizer), under CUDA's rules when asked for."""
         with self.precision.scope():
-            return self._train_step()
+            rec = self._train_step()
+        self._note_backends_ran()
+        return rec
 
     def _train_step(self) -> dict:
         t, m = self.cfg.train, self.cfg.model
@@ -516,6 +521,11 @@ class Trainer:
         schedule.saved(self.progress.tokens)
         self._log(f"checkpoint {path}{' (milestone)' if milestone else ''} in {time.perf_counter() - started:.1f} s")
         return path
+
+    def _note_backends_ran(self) -> None:
+        """run_info.json's `backends_ran`: what the steps so far actually ran, rewritten when something new ran."""
+        if merge_backends_ran(self.backends_ran, collect_backends_ran(self.model)) and self.rank == 0:
+            update_run_info(self.run_dir, "backends_ran", self.backends_ran)
 
     def run(self) -> dict:
         """Train to the stop; the run dir's lease is released at the end, however it ends."""

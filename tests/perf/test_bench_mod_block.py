@@ -21,6 +21,7 @@ def test_block_benchmark_smoke_reports_every_field(tmp_path):
     # the Trainer's precision context (here CUDA's rules on the CPU, issue 38) and compile setting, named
     assert result["precision"]["cuda_rules"] == "2.11" and result["precision"]["compute_dtype"] == "bfloat16"
     assert result["compile"] == "off" and result["expert_backend"] == "grouped"
+    assert result["backends_ran"]["experts"] == {"grouped": 1} and "fallbacks" not in result["backends_ran"]
     assert result["allocator"] == "caching" and result["timing"] == "process CPU time"  # glibc: mallopt took
     assert result["nag_impl"] == "eager"  # the smoke skips inductor's compile; full runs measure `compiled`
     (row,) = result["rates"]

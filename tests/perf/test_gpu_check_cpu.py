@@ -40,6 +40,7 @@ def test_gpu_check_cpu_mode_records_every_section(repo_root, tmp_path):
         assert c["syncs_per_step"] is None and c["peak_memory_bytes"] is None  # CUDA-only readings
         assert c["precision"]["cuda_rules"] == "2.11" and c["backends"]["precision"].endswith("torch 2.11")
         assert c["kernel_contracts"] == {"grouped_mm_dtypes": [["bfloat16", "bfloat16"]], "violations": []}, name
+        assert c["backends_ran"]["experts"] == {"grouped": 2} and "fallbacks" not in c["backends_ran"], name
     mod = train["mod"]
     assert 0 < mod["skip_rate"] < 1 and mod["charged_flop_ratio"] > 1 and mod["wall_clock_speedup"] > 0
     assert train["nag_over_baseline_step_time"] > 0
