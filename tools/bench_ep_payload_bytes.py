@@ -17,22 +17,11 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
-
-
-class PayloadLog(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "all_to_all" in func._schema.name and args[0].is_floating_point():
-            self.seen.append((str(args[0].dtype).removeprefix("torch."), args[0].numel() * args[0].element_size()))
-        return func(*args, **(kwargs or {}))
 
 
 def _rank(rank: int, world: int, port: int, a: argparse.Namespace, out) -> None:
     from nagmoe.config import Config, MoEConfig
+    from nagmoe.cuda_rules.contracts import AllToAllPayloads
     from nagmoe.cuda_rules.tier import cuda_rules_autocast
     from nagmoe.model.moe import MoELayer
     from nagmoe.parallel.expert_parallel import shard_experts
@@ -48,7 +37,7 @@ def _rank(rank: int, world: int, port: int, a: argparse.Namespace, out) -> None:
                                               impl="loop"))
         shard_experts(layer, ParallelMesh.build(cfg, rank, world))
         x = torch.randn(1, a.tokens, a.d_model, generator=torch.Generator().manual_seed(rank), requires_grad=True)
-        log = PayloadLog()
+        log = AllToAllPayloads()
         with log:
             with cuda_rules_autocast("2.11"):
                 y, _ = layer(x)

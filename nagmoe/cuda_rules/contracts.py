@@ -9,6 +9,8 @@
   copy of ReLU² was S x H = 4x the carrier). The router (fp32 by design, N x E) is allowed.
 - `payload_dtypes_agree`: the debug check of expert parallelism (every rank ships the same dtype; an all-to-all
   sizes its buffers by each rank's own dtype, so a mismatch is garbage rows, not an error).
+- Instruments for tests and byte benchmarks: `AllToAllPayloads` (what expert parallelism ships), `LargestRows`
+  (the largest tensor of a given width an op makes).
 """
 from __future__ import annotations
 
@@ -116,3 +118,35 @@ def payload_dtypes_agree(payload: torch.Tensor, group: Optional[object] = None) 
     if int(lo) != int(hi):
         raise RuntimeError(f"expert-parallel all-to-all: ranks ship different dtypes (this rank {payload.dtype}); "
                            "the exchange would produce garbage rows")
+
+
+class AllToAllPayloads(TorchDispatchMode):
+    """Instrument: (dtype name, bytes) of every floating all-to-all payload, forward and backward, where it enters
+    the functional collective: what the wire carries (tests, tools/bench_ep_payload_bytes.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "all_to_all" in func._schema.name and args[0].is_floating_point():
+            self.seen.append((str(args[0].dtype).removeprefix("torch."), args[0].numel() * args[0].element_size()))
+        return func(*args, **(kwargs or {}))
+
+
+class LargestRows(TorchDispatchMode):
+    """Instrument: the most rows (elements / width) of any op output whose last dimension is `width` (and whose
+    dtype is `dtype`, when given), and every dtype produced: a slot copy in fp32, a (B, T, V) logits tensor."""
+
+    def __init__(self, width: int, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.width, self.dtype, self.rows, self.dtypes = width, dtype, 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.dtypes.add(t.dtype)
+                if t.dim() and t.shape[-1] == self.width and self.dtype in (None, t.dtype):
+                    self.rows = max(self.rows, t.numel() // self.width)
+        return out

@@ -1,41 +1,42 @@
-"""The MoE dispatch casts to the experts' compute dtype before it copies tokens into slots (issue 38): under CUDA's
-rules no fp32 tensor of N·K slot rows exists in the layer's forward or backward (before: the fp32 carrier was
-expanded, copied and permuted, and under expert parallelism shipped, at 4 bytes a value)."""
+"""The MoE dispatch casts to the experts' compute dtype before it copies tokens into slots (issue 38): under
+autocast (CPU's own lists, and CUDA's rules) no fp32 tensor of N·K slot rows exists in the layer's forward or
+backward — before, the fp32 carrier was expanded, copied and permuted (and under expert parallelism shipped) at 4
+bytes a value. Without autocast everything stays fp32."""
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nagmoe.config import MoEConfig
+from nagmoe.cuda_rules.contracts import LargestRows
 from nagmoe.cuda_rules.tier import cuda_rules_autocast
 from nagmoe.model.moe import MoELayer
 
 N, D, E, H = 64, 32, 4, 16  # E·H < N·K: a weight (E, H, D) is never mistaken for slot rows
 
-
-class Fp32Rows(TorchDispatchMode):
-    """The most rows of width D in any fp32 tensor an op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.rows = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() >= 2 and t.shape[-1] == D:
-                self.rows = max(self.rows, t.numel() // D)
-        return out
+AUTOCASTS = {"cpu-bf16": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+             "cuda-rules-2.11": lambda: cuda_rules_autocast("2.11")}
 
 
-@pytest.mark.parametrize("K,capacity", [(2, None), (3, None), (2, 1.0)])
-def test_no_fp32_slot_copy(K, capacity):
+@pytest.mark.parametrize("autocast", sorted(AUTOCASTS))
+@pytest.mark.parametrize("impl,K,capacity", [("grouped", 2, None), ("grouped", 3, None), ("loop", 2, None),
+                                             ("grouped", 2, 1.0)])
+def test_no_fp32_slot_copy(autocast, impl, K, capacity):
     torch.manual_seed(0)
-    layer = MoELayer(D, MoEConfig(n_experts=E, top_k=K, expert_hidden=H, impl="grouped", capacity_factor=capacity))
+    layer = MoELayer(D, MoEConfig(n_experts=E, top_k=K, expert_hidden=H, impl=impl, capacity_factor=capacity))
     x = torch.randn(1, N, D, requires_grad=True)
-    seen = Fp32Rows()
-    with seen:
-        with cuda_rules_autocast("2.11"):
-            y, aux = layer(x)
+    with LargestRows(D, torch.float32) as seen:
+        with AUTOCASTS[autocast]():
+            y, _ = layer(x)
+        y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and torch.isfinite(x.grad).all()
+    # the carrier, the combine's sum and their gradients: N rows, never N·K
+    assert seen.rows == N, f"an fp32 tensor of {seen.rows} rows x D (N·K = {N * K})"
+
+
+def test_without_autocast_everything_stays_fp32():
+    torch.manual_seed(0)
+    layer = MoELayer(D, MoEConfig(n_experts=E, top_k=2, expert_hidden=H, impl="grouped"))
+    x = torch.randn(1, N, D, requires_grad=True)
+    with LargestRows(D) as seen:
+        y, _ = layer(x)
         y.sum().backward()
-    assert seen.rows == N  # the carrier, the combine's sum and their gradients: N rows, never N·K
-    assert torch.isfinite(x.grad).all()
+    assert y.dtype == torch.float32 and torch.bfloat16 not in seen.dtypes

@@ -4,33 +4,20 @@
    ranks that computed returned the experts' bf16: the return all-to-all sizes its buffers by each rank's own
    dtype, so it gave no error and garbage rows. Here the router is forced so rank 1's experts get no slot, and
    the EP layer (output, input gradient, expert and router gradients, gathered) equals one process.
-2. The dispatch shipped the fp32 carrier out and fp32 gradients back, and copied every slot in fp32. Here every
-   token payload, forward and backward, is bf16 on every rank, and no fp32 tensor of N·K slot rows exists.
+2. The dispatch shipped the fp32 carrier out and fp32 gradients back. Here every token payload, forward and
+   backward, is bf16 on every rank (the slot copy itself: tests/cuda_rules/test_moe_dispatch_dtype.py).
 """
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from gloo_ranks import run_on_ranks
+from nagmoe.cuda_rules.contracts import AllToAllPayloads
 
 E, D, H, T = 8, 32, 32, 16
 
 
 def _autocast():
     return torch.autocast("cpu", dtype=torch.bfloat16)
-
-
-class Payloads(TorchDispatchMode):
-    """(dtype, bytes) of every floating all-to-all payload (the functional collective's input), both ways."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "all_to_all" in func._schema.name and args[0].is_floating_point():
-            self.seen.append((str(args[0].dtype).split(".")[-1], args[0].numel() * args[0].element_size()))
-        return func(*args, **(kwargs or {}))
 
 
 def _forced_layer(K, impl="grouped"):
@@ -133,7 +120,7 @@ def _random_routing_payloads(impl):
     layer = MoELayer(D, MoEConfig(n_experts=E, top_k=2, expert_hidden=H, impl=impl))
     shard_experts(layer, ParallelMesh.build(cfg, rank, W))
     x = torch.randn(1, 4 * T, D, generator=torch.Generator().manual_seed(rank), requires_grad=True)
-    payloads = Payloads()
+    payloads = AllToAllPayloads()
     with payloads:
         with _autocast():
             y, _ = layer(x)
@@ -154,47 +141,3 @@ def test_every_token_payload_is_bf16_both_ways(impl):
         assert sum(b for _, b in r["payloads"]) == 2 * D * (2 * r["sent"] + 2 * r["received"]), (rank, r)
         assert r["finite"] and r["sent"] > 0 and r["received"] > 0, (rank, r)
     assert results[0]["payloads"][0][0] == results[1]["payloads"][0][0]
-
-
-class TensorRows(TorchDispatchMode):
-    """The most rows of width D of any fp32 tensor an op makes, and every dtype made."""
-
-    def __init__(self):
-        super().__init__()
-        self.fp32_rows, self.dtypes = 0, set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor):
-                self.dtypes.add(t.dtype)
-                if t.dtype == torch.float32 and t.dim() >= 2 and t.shape[-1] == D:
-                    self.fp32_rows = max(self.fp32_rows, t.numel() // D)
-        return out
-
-
-@pytest.mark.parametrize("impl,K,capacity", [("grouped", 2, None), ("grouped", 3, None), ("loop", 2, None),
-                                             ("grouped", 2, 1.0)])
-def test_the_dispatch_copies_slots_in_the_compute_dtype(impl, K, capacity):
-    """N = 64 tokens, K slots each: under autocast the largest fp32 tensor of width D is the N-row carrier (and
-    its gradient), never the N·K slot copy; without autocast everything stays fp32."""
-    from nagmoe.config import MoEConfig
-    from nagmoe.model.moe import MoELayer
-
-    N, E1, H1 = 64, 4, 16  # E1·H1 < N·K: a weight (E, H, D) is never mistaken for slot rows
-    torch.manual_seed(0)
-    layer = MoELayer(D, MoEConfig(n_experts=E1, top_k=K, expert_hidden=H1, impl=impl, capacity_factor=capacity))
-    x = torch.randn(1, N, D, requires_grad=True)
-    seen = TensorRows()
-    with seen:
-        with _autocast():
-            y, _ = layer(x)
-        y.float().sum().backward()
-    assert y.dtype == torch.bfloat16 and torch.isfinite(x.grad).all()
-    assert seen.fp32_rows == N, f"an fp32 tensor of {seen.fp32_rows} rows x D (N·K = {N * K})"
-
-    seen = TensorRows()
-    with seen:
-        y, _ = layer(x)
-        y.sum().backward()
-    assert y.dtype == torch.float32 and torch.bfloat16 not in seen.dtypes

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gloo_ranks import run_on_ranks
+from nagmoe.cuda_rules.contracts import AllToAllPayloads
 
 pytestmark = pytest.mark.distributed
 
@@ -27,24 +28,6 @@ def _layer(K):
         layer.router.weight[3, 0] = 20.0  # every token's first choice: expert 3 (rank 0 holds experts 0-3)
         layer.router.weight[2, 0] = 10.0  # its second: expert 2 -> rank 1's experts 4-7 get no slot
     return layer
-
-
-def _payloads():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Payloads(TorchDispatchMode):
-        """(dtype, bytes) of every floating all-to-all payload, forward and backward."""
-
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "all_to_all" in func._schema.name and args[0].is_floating_point():
-                self.seen.append((str(args[0].dtype).split(".")[-1], args[0].numel() * args[0].element_size()))
-            return func(*args, **(kwargs or {}))
-
-    return Payloads()
 
 
 def _forward_backward(layer, x, g):
@@ -77,7 +60,7 @@ def _rank(K):
     y_ref, xg_ref, pg_ref = _forward_backward(ref, x, g)
     layer = _layer(K)
     names = shard_experts(layer, mesh)
-    payloads = _payloads()
+    payloads = AllToAllPayloads()
     with payloads:
         y, xg, pg = _forward_backward(layer, x[rank:rank + 1], g[rank:rank + 1])
     sync_expert_grads([p for n, p in layer.named_parameters() if n in names], mesh)
@@ -120,7 +103,7 @@ def _random_routing_payloads():
     layer = MoELayer(D, MoEConfig(n_experts=E, top_k=2, expert_hidden=H, impl="grouped"))
     shard_experts(layer, ParallelMesh.build(cfg, rank, W))
     x = torch.randn(1, 4 * T, D, generator=torch.Generator().manual_seed(rank), requires_grad=True)
-    payloads = _payloads()
+    payloads = AllToAllPayloads()
     with payloads:
         with cuda_rules_autocast("2.11"):
             y, _ = layer(x)

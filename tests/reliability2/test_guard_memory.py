@@ -7,30 +7,15 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nagmoe.config import load_config
+from nagmoe.cuda_rules.contracts import LargestRows
 from nagmoe.model import build_model
 from nagmoe.train.guards import locate_nonfinite, realised_gains
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 V, D, CHUNK = 509, 16, 16  # no other dimension is 509; the (D, V) transposed head has D = CHUNK rows
 B, T = 2, 32
-
-
-class VocabRows(TorchDispatchMode):
-    """The most rows (elements / V) of any op output whose last dimension is the vocabulary."""
-
-    def __init__(self):
-        super().__init__()
-        self.rows = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == V:
-                self.rows = max(self.rows, t.numel() // V)
-        return out
 
 
 def _model(residual):
@@ -49,9 +34,9 @@ def test_guards_stay_within_one_loss_chunk(residual):
     model = _model(residual)
     x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
-    with VocabRows() as gains_rows:
+    with LargestRows(V) as gains_rows:
         gains = realised_gains(model, x)
-    with VocabRows() as locate_rows:
+    with LargestRows(V) as locate_rows:
         where = locate_nonfinite(model, x, y)
     assert (gains is not None) == (residual == "nag") and (gains is None or len(gains) == 4)
     assert "not reproduced" in where  # finite model: forward and backward both ran
