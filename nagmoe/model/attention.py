@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nagmoe.errors import UserError
-from nagmoe.model.common import init_linear_uniform, rms_norm
+from nagmoe.model.common import init_linear_uniform, recording, rms_norm
 from nagmoe.model.init_rng import ParamInit
 from nagmoe.ops.position_attention import chunked_attention_available, chunked_position_attention
 from nagmoe.ops.registry import Registry
@@ -154,6 +154,7 @@ def causal_attention(q_BHTS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: torch.T
     record) gets the kernel that ran: `flash-attn`, `sdpa:<SDPA's kernel>` or `math`."""
     n_rep = q_BHTS.shape[1] // k_BKLS.shape[1]
     T, L = q_BHTS.shape[2], k_BKLS.shape[2]
+    ran = recording(ran)
     if L != q_offset + T:
         raise ValueError(f"causal_attention: {L} keys for {T} queries at offset {q_offset}")
     qkv = flash_inputs(q_BHTS, k_BKLS, v_BKLS) if impl == "flash" else None
@@ -201,6 +202,7 @@ def attention_at_positions(q_BHMS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: t
     more than one chunk, sdpa runs instead the chunked flash kernel of nagmoe/ops/position_attention.py:
     unmasked prefix calls plus one small masked call inside each chunk, merged by log-sum-exp (no dense mask, no
     key past a query's chunk); within one chunk the single masked block is the same work, with less layout."""
+    ran = recording(ran)
     n_rep = q_BHMS.shape[1] // k_BKLS.shape[1]
     M, L = q_BHMS.shape[2], k_BKLS.shape[2]
     if impl == "sdpa" and M > 0 and chunks is not None and len(chunks[1]) > 1 and chunked_attention_available(q_BHMS):

@@ -171,7 +171,8 @@ class MoELayer(nn.Module):
         """Expert MLPs on slots sorted by expert (the seam an expert-parallel dispatcher replaces)."""
         if self.dispatcher is not None:
             return self.dispatcher(self, x_SD, counts_E)
-        self.ran["experts"] = expert_path(self.backend, x_SD, self.w_in)  # what ran (run_info.json), no sync
+        if not torch.compiler.is_compiling():  # what ran (run_info.json), no sync; in a graph: model.common.recording
+            self.ran["experts"] = expert_path(self.backend, x_SD, self.w_in)
         return EXPERT_FORWARD[self.backend](x_SD, self.w_in, self.w_out, counts_E)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple:

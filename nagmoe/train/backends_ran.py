@@ -13,10 +13,23 @@ from __future__ import annotations
 from torch import nn
 
 
+def _in_compiled_graph(module: nn.Module) -> dict:
+    """A compiled sublayer records nothing inside its graph (nagmoe.model.common.recording): its experts ran there
+    only as grouped `_grouped_mm` (nagmoe.train.speed: any other expert path runs eagerly and records itself), its
+    attention as the configured impl with the compiler's kernel choice."""
+    if "_compiled_forward" not in module.__dict__:
+        return {}
+    if hasattr(module, "run_experts"):
+        return {"experts": "grouped (in the compiled graph)"}
+    return {"attention": f"{module.impl} (in the compiled graph)"} if hasattr(module, "impl") else {}
+
+
 def collect(model: nn.Module) -> dict:
     out: dict = {}
     for name, module in model.named_modules():
-        for kind, path in (getattr(module, "ran", None) or {}).items():
+        if getattr(module, "ran", None) is None:
+            continue
+        for kind, path in {**_in_compiled_graph(module), **module.ran}.items():
             counts = out.setdefault(kind, {})
             counts[path] = counts.get(path, 0) + 1
             if "fallback" in path or path.startswith("sdpa (flash-attn"):

@@ -77,6 +77,9 @@ def test_compiled_trainer_under_cuda_rules(micro_config, tmp_path, cuda_rules, m
     trainer.run()
     assert trainer.backends["compile"].startswith("sublayers")
     _check_run(trainer, run_dir, extra)
+    ran = json.load(open(os.path.join(run_dir, "run_info.json")))["backends_ran"]  # nothing recorded in a graph
+    assert ran["experts"] == {"grouped (in the compiled graph)": 2} and ran["attention"] == {
+        "sdpa (in the compiled graph)": 2}, ran
     torch._dynamo.reset()
 
 
