@@ -106,6 +106,13 @@ def git_commit() -> str:
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def _replace_json(path: str, obj) -> None:
+    """Write `obj` beside `path` and move it over: a reader sees the old file or the new one, never half."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def update_run_info(run_dir: str, key: str, value) -> bool:
     """Set one key of this start's run_info.json (atomically; the rest, `previous` included, kept). False, and
     nothing written, when the file is missing or not a JSON object (someone else's file is not rewritten)."""
@@ -118,9 +125,7 @@ def update_run_info(run_dir: str, key: str, value) -> bool:
     if not isinstance(info, dict):
         return False
     info[key] = value
-    with open(path + ".tmp", "w") as f:
-        json.dump(info, f, indent=1)
-    os.replace(path + ".tmp", path)
+    _replace_json(path, info)
     return True
 
 
@@ -151,14 +156,10 @@ def write_run_info(run_dir: str, backends: dict, device: str, extra: dict | None
         except (OSError, ValueError):
             history = []
     info["previous"] = history
-    with open(path + ".tmp", "w") as f:
-        json.dump(info, f, indent=1)
-    os.replace(path + ".tmp", path)
+    _replace_json(path, info)
     return info
 
 
 def write_summary(run_dir: str, summary: dict) -> None:
     path = os.path.join(run_dir, SUMMARY_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(path + ".tmp", path)
+    _replace_json(path, summary)

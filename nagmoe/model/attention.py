@@ -132,10 +132,8 @@ _SDPA_KERNELS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "override
 
 def sdpa_kernel(q, k, v, attn_mask=None, is_causal: bool = False, enable_gqa: bool = False) -> str:
     """The kernel F.scaled_dot_product_attention picks for this call (torch's own choice function: a host-side
-    decision on dtypes, shapes, mask and the enabled backends; no device sync). Inside a compiled graph the
-    choice is the compiler's."""
-    if torch.compiler.is_compiling():
-        return "in the compiled graph"
+    decision on dtypes, shapes, mask and the enabled backends; no device sync). Eager calls only: inside a
+    compiled graph nothing is recorded (nagmoe.model.common.recording) and the choice is the compiler's."""
     try:
         choice = int(torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, is_causal, scale=None, enable_gqa=enable_gqa))
     except (RuntimeError, TypeError, AttributeError):
