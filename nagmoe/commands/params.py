@@ -28,6 +28,9 @@ def add_arguments(p):
                    help="--memory: tokens per rank per micro-step (default train.micro_batch_tokens)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="--memory: cuda (bf16 autocast, CUDA context) or cpu (fp32, what tests check against RSS)")
+    p.add_argument("--cuda-rules", default=None, metavar="TORCH_VERSION",
+                   help="--memory --device cuda: the activations under CUDA's autocast rules of this torch version "
+                        "(the cluster's; default NAGMOE_CUDA_RULES, else the installed torch's)")
 
 
 def _fmt(n: float) -> str:
@@ -110,6 +113,8 @@ def _memory(cfg, args) -> int:
     ep = args.ep or cfg.parallel.ep
     if cfg.model.ffn == "moe" and cfg.model.moe.n_experts % ep:
         raise UserError(f"--ep: {ep} does not divide model.moe.n_experts={cfg.model.moe.n_experts}")
-    est = estimate_memory(cfg, ep, args.micro_batch_tokens, args.device, args.world_size)
+    if args.cuda_rules is not None and args.device != "cuda":
+        raise UserError("--cuda-rules: only with --device cuda (a CPU run takes NAGMOE_CUDA_RULES)")
+    est = estimate_memory(cfg, ep, args.micro_batch_tokens, args.device, args.world_size, rules=args.cuda_rules)
     print(json.dumps(est) if args.json else format_memory(est))
     return 0

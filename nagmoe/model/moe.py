@@ -226,7 +226,9 @@ class MoELayer(nn.Module):
 
         self.last_stats = {"lb_loss": lb.detach(), "z_loss": z.detach(), "tokens_per_expert": counts_E.detach(),
                            "router_entropy_sum": torch.special.entr(probs_NE.detach()).sum(),
-                           "router_tokens": torch.tensor(N, device=probs_NE.device), "dropped_slots": dropped}
+                           # a fill on the device, not a copy of a host int (a sync per layer on CUDA)
+                           "router_tokens": torch.full((), N, dtype=torch.int64, device=probs_NE.device),
+                           "dropped_slots": dropped}
         if not self.gate_scale_output:
             return y_ND.view(B, T, D), aux_loss
         if keep_S is None:

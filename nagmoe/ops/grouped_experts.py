@@ -96,7 +96,7 @@ def grouped_mm_supports(dtype: torch.dtype, device_type: str, D: int, H: int) ->
             return False
     else:
         return False
-    align = 16 // torch.empty((), dtype=dtype).element_size()
+    align = 16 // dtype.itemsize
     return D % align == 0 and H % align == 0
 
 

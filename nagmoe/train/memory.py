@@ -12,8 +12,10 @@ Parts, in bytes per rank (N = tokens of one micro-batch on the rank, P = paralle
   activations       what autograd saves for the backward of one micro-batch, *measured* on the real widths: a
                     1-block and a 2-block copy of the model (same width, experts, vocabulary, residual,
                     attention, activation checkpointing) run forward on 64 and on 128 tokens under
-                    `saved_tensors_hooks` (CUDA mode: CPU autocast bf16, matching the GPU's matmul outputs; NAG
-                    lanes, logits and loss fp32 as in the model). The two token counts separate bytes per
+                    `saved_tensors_hooks` (CUDA mode: CPU autocast bf16 under CUDA's autocast rules of the target
+                    torch, nagmoe/cuda_rules: which ops run in bf16 and which in fp32 is CUDA's, e.g. the sum
+                    family fp32, `rms_norm` fp32 from torch 2.12; NAG lanes, logits and loss fp32 as in the
+                    model; `layout.cuda_rules` names the version). The two token counts separate bytes per
                     token from bytes per forward (autocast's bf16 weight copies); the two depths separate a
                     block from the embedding/decode/loss part; scaled to n_layers and the micro-batch's
                     tokens. Attention is counted as linear in the sequence (flash/efficient SDPA save the
@@ -78,7 +80,40 @@ def parameter_bytes(model_cfg, ep: int, optimizer: str, device: str) -> dict:
             "optimizer_workspace": NS_COPIES * largest * ns_bytes}
 
 
-def _saved_bytes(model, idx_BT, autocast: bool) -> int:
+def estimate_rules(device: str, rules: Optional[str] = None) -> Optional[str]:
+    """The torch version whose CUDA autocast rules the activation probes run under, or None (fp32, no autocast).
+    cuda: `rules` if given, else NAGMOE_CUDA_RULES, else the installed torch's when nagmoe has its table, else
+    the newest table (the cluster's torch is the one that matters: pass it). cpu: NAGMOE_CUDA_RULES (a CPU run
+    under CUDA's rules trains in bf16), else None."""
+    from nagmoe.cuda_rules.table import KNOWN_VERSIONS, rules_for, version_key
+    from nagmoe.cuda_rules.tier import rules_from_env
+
+    if device == "cpu":
+        return rules_from_env()
+    if rules is not None:
+        rules_for(rules)  # an unknown version is a UserError naming the known ones
+        return version_key(rules)
+    chosen = rules_from_env()
+    if chosen is None:
+        installed = version_key(torch.__version__)
+        chosen = installed if installed in KNOWN_VERSIONS else KNOWN_VERSIONS[-1]
+    return chosen
+
+
+def _rules_scope(rules: Optional[str]):
+    """CUDA's rules of torch `rules` registered (the trainer keeps them for the whole step: the backward's
+    activation-checkpoint recompute meets them too); nothing when None."""
+    from nagmoe.cuda_rules.tier import CudaAutocastRules
+
+    return CudaAutocastRules(rules) if rules else contextlib.nullcontext()
+
+
+def _autocast(rules: Optional[str]):
+    """The forward's region: CPU bf16 autocast (under the registered rules), or fp32."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=rules is not None)
+
+
+def _saved_bytes(model, idx_BT, rules: Optional[str]) -> int:
     """Bytes autograd saves for one forward of `model` on `idx_BT`, each storage once (views share it). A saved
     parameter (a matmul's weight, fp32 without autocast) is not an activation: `parameters` counts it, and the
     probe model holds every expert, a rank only its share."""
@@ -95,8 +130,7 @@ def _saved_bytes(model, idx_BT, autocast: bool) -> int:
             seen[key] = size
         return t
 
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _rules_scope(rules), _autocast(rules):
         out = model(idx_BT, idx_BT)
         del out
     return sum(seen.values())
@@ -116,7 +150,7 @@ def _quiet_stderr():
         os.close(saved)
 
 
-def _peak_bytes(model, idx_BT, autocast: bool) -> int:
+def _peak_bytes(model, idx_BT, rules: Optional[str]) -> int:
     """Peak of the bytes allocated during one forward + backward of `model` on `idx_BT` (the CPU allocator's
     events under the profiler): saved activations plus what the ops hold at once (temporaries, the backward's
     activation gradients). Gradients exist beforehand (zeros, as after the first micro-step), so accumulating
@@ -125,11 +159,11 @@ def _peak_bytes(model, idx_BT, autocast: bool) -> int:
 
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with ctx:
-            out = model(idx_BT, idx_BT)
-        (out.loss + out.aux_loss).backward()
+        with _rules_scope(rules):
+            with _autocast(rules):
+                out = model(idx_BT, idx_BT)
+            (out.loss + out.aux_loss).backward()
         del out
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]")
@@ -144,10 +178,11 @@ def _peak_bytes(model, idx_BT, autocast: bool) -> int:
 PROBE_TOKENS = (64, 128)
 
 
-def activation_bytes(model_cfg, tokens: int, device: str, checkpointing: bool = False,
+def activation_bytes(model_cfg, tokens: int, rules: Optional[str], checkpointing: bool = False,
                      precision: str = "legacy") -> dict:
     """Saved activations of one micro-batch of `tokens` tokens (module docstring: measured on 1- and 2-block
-    copies at the real widths, at two token counts). `precision` uniform with a micro-batch over one loss chunk
+    copies at the real widths, at two token counts) under CUDA's autocast rules of torch `rules` (None: fp32).
+    `precision` uniform with a micro-batch over one loss chunk
     (nagmoe/model/transformer.py, LOSS_CHUNK_ELEMENTS): the probes chunk their loss too, so the logits are not
     among the saved tensors, and the backward's transient is one chunk's logits, their gradient and softmax."""
     from nagmoe.model import build_model
@@ -172,9 +207,9 @@ def activation_bytes(model_cfg, tokens: int, device: str, checkpointing: bool = 
             enable_activation_checkpointing(model)
         for t in PROBE_TOKENS:
             idx = torch.randint(0, cfg.vocab_size, (1, t), generator=torch.Generator().manual_seed(0))
-            saved[n_layers, t] = _saved_bytes(model, idx, autocast=device == "cuda")
+            saved[n_layers, t] = _saved_bytes(model, idx, rules)
             if n_layers == 2:  # what the step holds beyond its saved tensors (one block's work at a time)
-                working[t] = max(0, _peak_bytes(model, idx, autocast=device == "cuda") - saved[n_layers, t])
+                working[t] = max(0, _peak_bytes(model, idx, rules) - saved[n_layers, t])
         del model
     t1, t2 = PROBE_TOKENS
 
@@ -196,7 +231,7 @@ def activation_bytes(model_cfg, tokens: int, device: str, checkpointing: bool = 
             "backward_transient": int(transient)}
 
 
-def receive_worst_bytes(model_cfg, tokens: int, ep: int, device: str) -> int:
+def receive_worst_bytes(model_cfg, tokens: int, ep: int, bf16: bool) -> int:
     """The dropless worst case of one MoE layer's expert-parallel receive (module docstring); 0 without EP."""
     if ep <= 1 or model_cfg.ffn != "moe":
         return 0
@@ -206,27 +241,30 @@ def receive_worst_bytes(model_cfg, tokens: int, ep: int, device: str) -> int:
     capacity = expert_capacity(getattr(moe, "capacity_factor", None), tokens, K, E)
     if capacity is not None:
         rows = min(rows, ep * (E // ep) * capacity)
-    act = 2 if device == "cuda" else 4
+    act = 2 if bf16 else 4  # the payloads travel in the experts' compute dtype (bf16 under autocast)
     return rows * (2 * D + 2 * H) * act
 
 
 def estimate_memory(cfg, ep: Optional[int] = None, micro_batch_tokens: Optional[int] = None,
-                    device: str = "cuda", world_size: Optional[int] = None) -> dict:
-    """Bytes per rank by part and their `total` for `cfg` at this layout (module docstring)."""
+                    device: str = "cuda", world_size: Optional[int] = None, rules: Optional[str] = None) -> dict:
+    """Bytes per rank by part and their `total` for `cfg` at this layout (module docstring); `rules`: the torch
+    version whose CUDA autocast rules apply (`estimate_rules`), named in `layout.cuda_rules`."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
+    rules = estimate_rules(device, rules)
     ep = ep or cfg.parallel.ep
     seq = cfg.data.seq_len
     tokens = micro_batch_tokens or cfg.train.micro_batch_tokens or cfg.train.batch_tokens
     rows = max(1, tokens // seq)
     world = world_size if world_size is not None else ep
-    out = {"layout": {"ep": ep, "world_size": world, "micro_batch_tokens": rows * seq, "device": device}}
+    out = {"layout": {"ep": ep, "world_size": world, "micro_batch_tokens": rows * seq, "device": device,
+                      "cuda_rules": rules, "measured_with_torch": torch.__version__}}
     params = parameter_bytes(cfg.model, ep, cfg.train.optimizer, device)
     out.update(params)
     out["ddp_buckets"] = params["replicated_bytes"] if world > 1 else 0
-    out.update(activation_bytes(cfg.model, rows * seq, device, getattr(cfg.train, "activation_checkpointing", False),
+    out.update(activation_bytes(cfg.model, rows * seq, rules, getattr(cfg.train, "activation_checkpointing", False),
                                 getattr(cfg.train, "precision", "legacy")))
-    out["receive_worst"] = receive_worst_bytes(cfg.model, rows * seq, ep, device)
+    out["receive_worst"] = receive_worst_bytes(cfg.model, rows * seq, ep, rules is not None)
     out["runtime"] = CUDA_RUNTIME_BYTES if device == "cuda" else CPU_PROCESS_BYTES
     parts = ("parameters", "gradients", "ddp_buckets", "optimizer", "optimizer_workspace", "activations",
              "backward_transient", "receive_worst", "runtime")
@@ -266,8 +304,10 @@ def eager_memory_refusal(cfg, device_memory_bytes: int, ep: int, world_size: int
 
 def format_memory(est: dict) -> str:
     lay = est["layout"]
+    rules = lay.get("cuda_rules")
+    precision = f"bf16 under CUDA's autocast rules of torch {rules}" if rules else "fp32"
     lines = [f"memory per rank ({lay['device']}, ep {lay['ep']}, world {lay['world_size']}, micro-batch "
-             f"{lay['micro_batch_tokens']:,} tokens):"]
+             f"{lay['micro_batch_tokens']:,} tokens; activations {precision}):"]
     for k in est["parts"]:
         lines.append(f"  {k:<20} {est[k] / GIB:9.2f} GiB")
         if k == "optimizer":

@@ -5,7 +5,10 @@ Two levels, each read counted once, at the call site in our code that caused it:
     `__float__`, `__index__`, and `to(...)` the CPU from another device. On a CPU machine `tolist` and `cpu`
     dispatch nothing, so only this level sees them; on CUDA each one waits for the stream. Not counted: reads
     inside torch.optim (its non-capturable optimizers keep their `step` counters on the host by design) and
-    `to(device)` between equal devices (the trainer's `x.to(self.device)` is a host-to-device copy on CUDA).
+    `to(device)` between equal devices.
+  * Synchronising host copies (issue 39): `to(...)` a device from a host tensor, unless the source is pinned and
+    the copy `non_blocking` (nagmoe/train/host_copy.py): from pageable memory the host waits for the copy and
+    the copy for the stream. Counted as "to-device". On a CPU-only machine a host-to-host copy is no copy.
   * aten ops whose output size or value the host must know (a TorchDispatchMode): `_local_scalar_dense`,
     `nonzero`, `bincount`, `_unique2`, `masked_select`, `repeat_interleave` without `output_size`, and
     boolean-mask `index` / `index_put_`. An op run inside a counted Python-level read is part of that read.
@@ -54,8 +57,21 @@ def _to_cpu(args, kwargs) -> bool:
             and source.device.type != "cpu")
 
 
+def _to_device_sync(args, kwargs) -> bool:
+    """`t.to(...)` a non-CPU device from a host tensor that waits: a pageable source or a blocking copy."""
+    device = kwargs.get("device")
+    for a in args[1:]:
+        if isinstance(a, (str, torch.device)):
+            device = a
+    source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if device is None or source is None or source.device.type != "cpu" or torch.device(device).type == "cpu":
+        return False
+    non_blocking = kwargs.get("non_blocking", any(a is True for a in args[1:]))
+    return not (non_blocking and source.is_pinned())
+
+
 def _in_torch_optim() -> bool:
-    frame = sys._getframe(3)
+    frame = sys._getframe(1)
     while frame is not None:
         if f"{os.sep}torch{os.sep}optim{os.sep}" in frame.f_code.co_filename:
             return True
@@ -87,6 +103,8 @@ class _Functions(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         counted = name in _PY_READS or (name == "to" and _to_cpu(args, kwargs))
+        if name == "to" and not counted and _to_device_sync(args, kwargs):
+            counted, name = True, "to-device"
         if not counted or self.counter.inside:
             return func(*args, **kwargs)
         if not _in_torch_optim():  # the optimizer's host-side counters: neither this read nor its aten op

@@ -43,6 +43,7 @@ from nagmoe.model.router_health import RouterTelemetry
 from nagmoe.train.mod_accounting import ModAccount
 from nagmoe.train.metrics import MetricsWriter, truncate_metrics
 from nagmoe.train.optim import build_optimizers
+from nagmoe.train.host_copy import to_device
 from nagmoe.train.guards import (
     EXIT_GATE_COLLAPSE, EXIT_NONFINITE, TrainingHalted, collapsed_fraction, gate_collapse_message, is_nonfinite,
     locate_nonfinite, nonfinite_message, realised_gains, warn)
@@ -336,7 +337,7 @@ class Trainer:
                 with self.autocast:
                     self.model(x, x, reduction="none")
                 continue
-            x, y = batch[0].to(self.device), batch[1].to(self.device)
+            x, y = to_device(batch[0], self.device), to_device(batch[1], self.device)
             with self.autocast:
                 out = self.model(x, y, reduction="none")
             n, b = bpb_sums(out.loss, y, self.token_bytes)
@@ -366,7 +367,7 @@ class Trainer:
         self._step_router = RouterTelemetry()  # this step's routing, summed over its micro-batches
         for i in range(self.accum):
             x, y = next(self.loader)
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = to_device(x, self.device), to_device(y, self.device)  # pinned, non-blocking on CUDA
             # DDP all-reduces in the backward of the last micro-step only
             skip_sync = self.ddp is not None and i < self.accum - 1
             with self.ddp.no_sync() if skip_sync else nullcontext():

@@ -93,3 +93,20 @@ def test_flash_attention_matches_math_reference():
     want = causal_attention(q.float(), k.float(), v.float(), "math", q_offset=offset)
     got = causal_attention(q, k, v, "flash", q_offset=offset)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_batches_reach_the_device_without_a_blocking_copy():
+    """Issue 39: the trainer's batch copy (nagmoe/train/host_copy.py) pins and copies non-blocking: the sync
+    counter, which counts a pageable `to(cuda)`, sees nothing; the plain copy it does see."""
+    from nagmoe.train.host_copy import to_device
+    from nagmoe.train.sync_count import SyncCounter
+
+    x = torch.randint(0, 100, (4, 2048))
+    with SyncCounter() as counter:
+        y = to_device(x, torch.device("cuda"))
+    assert counter.total == 0, counter.table()
+    torch.cuda.synchronize()
+    assert y.device.type == "cuda" and torch.equal(y.cpu(), x)
+    with SyncCounter() as counter:
+        x.to("cuda")
+    assert counter.total == 1, counter.table()

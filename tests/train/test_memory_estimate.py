@@ -94,3 +94,33 @@ def test_launch_dry_run_warns_when_the_layout_does_not_fit(micro_config, tmp_pat
     assert "memory estimate per rank" in big.stderr and "WARNING" not in big.stderr
     assert "WARNING: the layout does not fit a 0.5 GB GPU" in small.stderr
     assert small.stdout == big.stdout  # the script itself is unchanged
+
+
+def test_cuda_estimate_runs_under_the_target_torchs_autocast_rules(micro_config, capsys, tmp_path, monkeypatch):
+    """Issue 39: the activations are measured under CUDA's autocast rules of the named torch version. torch 2.12
+    moved `rms_norm` to CUDA's fp32 list, so a pre-norm model saves more under 2.13's rules than under 2.11's;
+    the estimate says which rules it used (JSON and the printed table)."""
+    monkeypatch.delenv("NAGMOE_CUDA_RULES", raising=False)
+    cfg = micro_config("model.residual=prenorm")
+    old, new = (estimate_memory(cfg, ep=1, device="cuda", world_size=1, rules=v) for v in ("2.11", "2.13.0"))
+    assert old["layout"]["cuda_rules"] == "2.11" and new["layout"]["cuda_rules"] == "2.13"
+    assert new["activations"] > old["activations"]  # fp32 rms_norm outputs saved for the backward
+    monkeypatch.setenv("NAGMOE_CUDA_RULES", "2.11")  # the default follows the environment's rules
+    assert estimate_memory(cfg, ep=1, device="cuda", world_size=1)["layout"]["cuda_rules"] == "2.11"
+    cpu = estimate_memory(cfg, ep=1, device="cpu", world_size=1)  # a CPU run under the rules trains in bf16
+    assert cpu["layout"]["cuda_rules"] == "2.11" and cpu["activations"] == old["activations"]
+    monkeypatch.delenv("NAGMOE_CUDA_RULES")
+    assert estimate_memory(cfg, ep=1, device="cpu", world_size=1)["layout"]["cuda_rules"] is None  # fp32
+
+    from nagmoe.config import dump_yaml
+
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(dump_yaml(cfg))
+    base = ["params", "--config", str(cfg_path), "--memory"]
+    assert main([*base, "--cuda-rules", "2.11"]) == 0
+    assert "bf16 under CUDA's autocast rules of torch 2.11" in capsys.readouterr().out
+    for bad in (["--cuda-rules", "1.0" * 50], ["--cuda-rules", "2.11", "--device", "cpu"]):
+        assert main([*base, *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ("--cuda-rules" in err[0] or "CUDA autocast rules" in err[0]), err
+        assert len(err[0]) < 300

@@ -78,3 +78,17 @@ def test_the_counter_sees_every_kind_of_read():
     assert ops == sorted(["tolist", "item", "__float__", "__bool__", "cpu", "numpy", "bincount", "nonzero", "index",
                           "masked_select", "_unique2", "repeat_interleave"]), counter.table()
     assert all(site.startswith("test_sync_budget.py:") for site in counter.counts)  # the caller, not torch
+
+
+def test_a_blocking_host_copy_to_a_device_is_counted():
+    """Issue 39: `to(device)` from pageable host memory waits for the stream; only a pinned, non-blocking copy
+    does not (nagmoe/train/host_copy.py, checked on CUDA in tests/gpu). Here "meta" stands for the device."""
+    import torch
+
+    from nagmoe.train.host_copy import to_device
+
+    x = torch.arange(6.0)
+    with SyncCounter() as counter:
+        x.to("meta"), x.to(device="meta", non_blocking=True), x.to(torch.device("meta"), torch.float16)
+        x.to("cpu"), x.to(torch.float64), to_device(x, torch.device("cpu"))  # host to host: no copy to wait for
+    assert [site.split(" ")[1] for site in counter.counts] == ["to-device"] and counter.total == 3, counter.table()
