@@ -1,28 +1,32 @@
 #!/usr/bin/env bash
-# One prepared GPU check for one H200 (Python 3.12, torch 2.11, no network), under 6 minutes with compilation.
-# Sections, most valuable first, each in its own process under its own time limit, each result written into
-# $RESULTS/bench.json as the section ends (tools/gpu_check_sections.py; a failed or timed-out section records
-# its status and error, and the next one runs):
-#   install    pip install --no-deps --no-build-isolation -e . (nothing else; GPU mode only)
-#   data       script-made token shards at the paper vocabulary (no network, no `datasets`)
-#   train_r40  configs/paper/{baseline,nag,nag-mod20}-r40.yaml at EP=1 through the real Trainer in one process
-#              (shared compile caches), 65536-token batches, 10 steps: tokens/s, MFU (data sheet and a measured
-#              bf16 matmul), peak memory vs the estimate, host syncs per step, losses, MoD's realised skip and
-#              wall-clock gain vs its FLOP gain, NAG / baseline step time; eager fallback recorded as such
-#   resume     a 4-layer nag-mod20-r40 saved and resumed through the Trainer: losses match the straight run
-#   mod_block  the MoD block benchmark (tools/bench_mod.py --block, issue 28) at the paper's 16-row micro-batch
-#   env        the blocker below is active, imports, versions, the AutocastCUDA registrations and (GPU) the per-op
-#              autocast dtype probe against nagmoe's table of this torch;  tests: tests/gpu/ (gpu-marked);
-#   dcp        a DCP checkpoint of this torch read back through the restricted unpickler (.metadata kept)
-# Each limit is also capped by what is left of the script's budget (GPU_CHECK_BUDGET seconds: 350, --cpu 170).
+# One prepared GPU check for one H200 (Python 3.12, torch 2.11, no network): 350 s by its own accounting (the
+# machine's start not counted), compilation included. Sections, most valuable first, each in its own process under
+# its own time limit (the limits add up to the budget), each result written into $RESULTS/bench.json as the section
+# ends (tools/gpu_check_sections.py; a failed or timed-out section records its status and error, and the next runs):
+#   install          pip install --no-deps --no-build-isolation -e . (nothing else; GPU mode only)
+#   data             script-made token shards at the paper vocabulary (no network, no `datasets`)
+#   train_baseline,  configs/paper/{baseline,nag,nag-mod20}-r40.yaml at EP=1 through the real Trainer, one section
+#   train_nag,       each, compiled (inductor's caches shared on disk: the later sections reuse the first one's
+#   train_nag_mod20  kernels), 65536-token batches, 8 steps: tokens/s, MFU (data sheet and a measured bf16 matmul),
+#                    peak memory vs the committed estimate (tools/gpu_check_estimates.json), host syncs per step
+#                    and their sites, losses, MoD's realised skip; the summary adds NAG / baseline step time and
+#                    MoD's wall-clock gain vs its FLOP gain; a warning off sm90/sm100 (_grouped_mm's fast path)
+#   resume           a 4-layer nag-mod20-r40 saved and resumed through the Trainer: losses match the straight run
+#   mod_block        the MoD block benchmark (tools/bench_mod.py --block, issue 28) at the paper's 16-row micro-batch
+#   env              the blocker below is active, imports, versions, the AutocastCUDA registrations and (GPU) the
+#                    per-op autocast dtype probe against nagmoe's table of this torch
+#   tests            tests/gpu/ (gpu-marked)
+#   dcp              a DCP checkpoint of this torch read back through the restricted unpickler (.metadata kept)
+# Each limit is also capped by what is left of the script's budget (GPU_CHECK_BUDGET seconds: 350, --cpu 200); the
+# summary prints each section's seconds against its limit.
 # `datasets`, `wandb` and `deepspeed` are hidden from every Python process (a meta-path blocker in a temporary
 # sitecustomize), as on the GPU machine, which has none of them: an import of one at import time fails here.
 #
 #   tools/gpu_check.sh            # on the GPU machine
-#   tools/gpu_check.sh --cpu      # CI: the same sections at tiny size on CPU (no install), < 3 minutes, in bf16
-#                                 # under CUDA's autocast rules of torch 2.11 (NAGMOE_CUDA_RULES, nagmoe/cuda_rules)
+#   tools/gpu_check.sh --cpu      # CI: the same sections at tiny size on CPU (no install), in bf16 under CUDA's
+#                                 # autocast rules of torch 2.11 (NAGMOE_CUDA_RULES, nagmoe/cuda_rules)
 # Results: $GPU_CHECK_OUT (default: $OUT if set, else a temporary folder): bench.json, gpu_check.log (every
-# section's output), the DCP .metadata. Run dirs and data live in a scratch folder removed at the end.
+# section's output), the DCP .metadata. Run dirs, data and compile caches live in a scratch folder removed at the end.
 # Test hooks: GPU_CHECK_SECTIONS=a,b (only those), GPU_CHECK_FAIL=name (that section fails at its start),
 # GPU_CHECK_HANG=name (it hangs until its limit), GPU_CHECK_LIMIT_<name>=seconds (another limit).
 set -u
@@ -64,16 +68,19 @@ if [[ $MODE == cpu ]]; then
   # CUDA's autocast rules of the GPU machine's torch on the CPU (bf16; nagmoe/cuda_rules): every section's Trainer
   # meets the dtypes the GPU run will meet. NAGMOE_CUDA_RULES= (empty) runs plain fp32.
   export NAGMOE_CUDA_RULES="${NAGMOE_CUDA_RULES-2.11}"
-  BUDGET="${GPU_CHECK_BUDGET:-170}"
-  SECTIONS=(data:30 train_r40:90 resume:60 mod_block:45 env:30 tests:60 dcp:30)
+  BUDGET="${GPU_CHECK_BUDGET:-200}"
+  SECTIONS=(data:15 train_baseline:30 train_nag:25 train_nag_mod20:25 resume:35 mod_block:20 env:15 tests:20 dcp:15)
 else
   BUDGET="${GPU_CHECK_BUDGET:-350}"  # + at most 5 s of a last kill and the summary: under 6 minutes
-  SECTIONS=(install:60 data:45 train_r40:210 resume:90 mod_block:60 env:45 tests:90 dcp:30)
+  SECTIONS=(install:30 data:25 train_baseline:70 train_nag:45 train_nag_mod20:45 resume:35 mod_block:30 env:20
+            tests:35 dcp:15)
 fi
+# compiled kernels shared between the section processes (inductor's FX graph and Triton caches)
+export TORCHINDUCTOR_CACHE_DIR="$WORK/inductor" TRITON_CACHE_DIR="$WORK/triton"
 DRIVER=("$PY" "$REPO/tools/gpu_check_sections.py")
 LOG="$RESULTS/gpu_check.log"
 : > "$LOG"
-"${DRIVER[@]}" init --out "$RESULTS" --mode "$MODE" || exit 1
+"${DRIVER[@]}" init --out "$RESULTS" --mode "$MODE" --budget "$BUDGET" || exit 1
 
 FAILED=0
 run_section() {  # name, limit in seconds
@@ -82,21 +89,21 @@ run_section() {  # name, limit in seconds
   limit="${!custom:-$limit}"
   local left=$((BUDGET - SECONDS))
   if (( left < 5 )); then
-    "${DRIVER[@]}" record "$name" --out "$RESULTS" --status timeout --seconds 0 \
+    "${DRIVER[@]}" record "$name" --out "$RESULTS" --status timeout --seconds 0 --limit 0 \
       --error "not started: the script's ${BUDGET} s budget is spent"
     echo "== $name: not started (budget spent)"; FAILED=1; return
   fi
   (( limit > left )) && limit=$left
   local part="$WORK/$name.log" t0=$SECONDS
   timeout --kill-after=5 "$limit" "${DRIVER[@]}" run "$name" --out "$RESULTS" --work "$WORK" --mode "$MODE" \
-    > "$part" 2>&1
+    --limit "$limit" > "$part" 2>&1
   local rc=$? secs=$((SECONDS - t0))
   # a killed or crashed process could not write its own end: the shell does (only over a "running" status)
   if (( rc == 124 || rc == 137 )); then
-    "${DRIVER[@]}" record "$name" --out "$RESULTS" --status timeout --seconds "$secs" \
+    "${DRIVER[@]}" record "$name" --out "$RESULTS" --status timeout --seconds "$secs" --limit "$limit" \
       --error "killed at its ${limit} s limit"
   elif (( rc != 0 )); then
-    "${DRIVER[@]}" record "$name" --out "$RESULTS" --status failed --seconds "$secs" \
+    "${DRIVER[@]}" record "$name" --out "$RESULTS" --status failed --seconds "$secs" --limit "$limit" \
       --error "exited $rc: $(tail -n 1 "$part" | cut -c1-300)"
   fi
   { echo "== $name (exit $rc, ${secs} s)"; cat "$part"; } >> "$LOG"

@@ -1,18 +1,20 @@
 """The sections of tools/gpu_check.sh: one process per section, its result written into RESULTS/bench.json as
 the section ends (an atomic rewrite), so a failing, killed or timed-out section leaves the others' results.
 
-    python tools/gpu_check_sections.py init    --out DIR --mode gpu|cpu
-    python tools/gpu_check_sections.py run     NAME --out DIR --work DIR --mode gpu|cpu
-    python tools/gpu_check_sections.py record  NAME --out DIR --status timeout --seconds S --error TEXT
+    python tools/gpu_check_sections.py init    --out DIR --mode gpu|cpu [--budget S]
+    python tools/gpu_check_sections.py run     NAME --out DIR --work DIR --mode gpu|cpu [--limit S]
+    python tools/gpu_check_sections.py record  NAME --out DIR --status timeout --seconds S --error TEXT [--limit S]
     python tools/gpu_check_sections.py summary --out DIR
 
-bench.json: {"mode", "date", "machine", "sections": {NAME: {"status": ok|failed|timeout|running,
-"seconds", "result" and/or "error"}}}. `run` marks its section "running" first (a partial "result" may follow,
-e.g. after each training config), then ok or failed; `record` is the shell's word for a process that could
-not write its own end (killed at its time limit, crashed): it replaces only a missing or "running" status.
+bench.json: {"mode", "date", "budget", "machine", "sections": {NAME: {"status": ok|failed|timeout|running,
+"seconds", "limit", "result" and/or "error"}}, "comparison"}. `run` marks its section "running" first (a partial
+"result" may follow), then ok or failed; `record` is the shell's word for a process that could not write its own
+end (killed at its time limit, crashed): it replaces only a missing or "running" status. `summary` prints each
+section's seconds against its limit and writes the comparisons across the training sections.
 GPU_CHECK_FAIL=NAME[,NAME] makes those sections fail at their start, GPU_CHECK_HANG=NAME[,NAME] makes them hang
 until the shell's limit kills them (the tests of this very recording).
-The training sections are in tools/gpu_check_train.py; this file holds the store and the short sections.
+The training sections are in tools/gpu_check_train.py, the store in tools/gpu_check_common.py; this file holds
+the driver and the short sections.
 """
 from __future__ import annotations
 
@@ -27,81 +29,9 @@ import sys
 import time
 import traceback
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = "bench.json"
-OPEN = (None, "running")  # statuses `record` may replace
+from gpu_check_common import BENCH, REPO, Ctx, SectionFailed, finite, load, one_line, put, save
+
 HIDDEN = ("datasets", "wandb", "deepspeed")  # absent on the GPU machine; tools/gpu_check.sh hides them here too
-
-
-class SectionFailed(Exception):
-    """A section that has results to keep and still failed (e.g. one training config of three)."""
-
-    def __init__(self, message: str, result: dict):
-        super().__init__(message)
-        self.result = result
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The store
-# ----------------------------------------------------------------------------------------------------------
-def load(out: str) -> dict:
-    try:
-        with open(os.path.join(out, BENCH)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {"sections": {}}
-
-
-def save(out: str, data: dict) -> None:
-    path = os.path.join(out, BENCH)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, allow_nan=False, default=str)
-        f.write("\n")
-    os.replace(tmp, path)  # a reader (or a kill) never sees half a file
-
-
-def put(out: str, name: str, entry: dict, only_open: bool = False) -> bool:
-    data = load(out)
-    old = data["sections"].get(name, {})
-    if only_open and old.get("status") not in OPEN:
-        return False
-    data["sections"][name] = entry
-    save(out, data)
-    return True
-
-
-def finite(value):
-    """Strict JSON: NaN/inf become None (loss lists keep their length)."""
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else None
-    if isinstance(value, dict):
-        return {str(k): finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite(v) for v in value]
-    return value
-
-
-def one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
-
-
-class Ctx:
-    """What a section gets: the mode, the results folder, a scratch folder, and `partial` to keep results
-    written so far should the section be killed later."""
-
-    def __init__(self, name: str, mode: str, out: str, work: str):
-        self.name, self.mode, self.out, self.work, self.t0 = name, mode, out, work, time.time()
-
-    def note_machine(self, **info) -> None:
-        data = load(self.out)
-        data.setdefault("machine", {}).update(info)
-        save(self.out, data)
-
-    def partial(self, result: dict) -> None:
-        put(self.out, self.name, {"status": "running", "seconds": round(time.time() - self.t0, 1),
-                                  "result": finite(result)})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -212,10 +142,9 @@ def section_mod_block(ctx: Ctx) -> dict:
 
 
 def sections() -> dict:
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import gpu_check_train as train
+    import gpu_check_train as train  # the training sections (imports nothing of this file)
 
-    return {"install": section_install, "data": train.section_data, "train_r40": train.section_train,
+    return {"install": section_install, "data": train.section_data, **train.TRAIN_SECTIONS,
             "resume": train.section_resume, "mod_block": section_mod_block, "env": section_env,
             "tests": section_tests, "dcp": section_dcp}
 
@@ -226,7 +155,7 @@ def sections() -> dict:
 def cmd_init(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
-    save(args.out, {"mode": args.mode, "date": now.isoformat(timespec="seconds"),
+    save(args.out, {"mode": args.mode, "date": now.isoformat(timespec="seconds"), "budget": args.budget,
                     # --cpu: CUDA's autocast rules of this torch version on the CPU (tools/gpu_check.sh sets it)
                     "cuda_rules": os.environ.get("NAGMOE_CUDA_RULES") or None,
                     "machine": {"platform": platform.platform(), "python": platform.python_version(),
@@ -236,8 +165,8 @@ def cmd_init(args) -> int:
 
 
 def cmd_run(args) -> int:
-    ctx = Ctx(args.name, args.mode, args.out, args.work)
-    put(args.out, args.name, {"status": "running"})
+    ctx = Ctx(args.name, args.mode, args.out, args.work, args.limit)
+    put(args.out, args.name, {"status": "running", "limit": args.limit})
     fail, hang = ({s.strip() for s in os.environ.get(v, "").split(",")} for v in ("GPU_CHECK_FAIL", "GPU_CHECK_HANG"))
     if args.name in hang:  # until the shell's time limit kills it
         time.sleep(3600)
@@ -256,6 +185,7 @@ def cmd_run(args) -> int:
         if result is not None:
             entry["result"] = result
     entry["seconds"] = round(time.time() - ctx.t0, 1)
+    entry["limit"] = args.limit
     put(args.out, args.name, finite(entry))
     print(f"[gpu_check] {args.name}: {entry['status']}"
           + (f": {entry['error']}" if "error" in entry else ""), file=sys.stderr)
@@ -264,7 +194,7 @@ def cmd_run(args) -> int:
 
 def cmd_record(args) -> int:
     old = load(args.out)["sections"].get(args.name, {})
-    entry = {"status": args.status, "seconds": args.seconds, "error": args.error}
+    entry = {"status": args.status, "seconds": args.seconds, "limit": args.limit, "error": args.error}
     if "result" in old:  # e.g. the configs a timed-out training section finished
         entry["result"] = old["result"]
     put(args.out, args.name, entry, only_open=True)
@@ -276,29 +206,43 @@ def _fmt(v, spec=".3g"):
 
 
 def cmd_summary(args) -> int:
+    """Each section's status, seconds and limit (the budget's accounting), the training table, and the
+    comparisons across the training sections, also written into bench.json as "comparison"."""
+    import gpu_check_train as train
+
     data = load(args.out)
     print(f"\n== summary ({data.get('mode')} mode): {os.path.join(args.out, BENCH)}")
+    used = 0.0
     for name, s in data["sections"].items():
         note = s.get("error") or ""
-        print(f"{name:<10} {s.get('status', '?'):<8} {_fmt(s.get('seconds'), '.0f'):>4}s  {note[:110]}")
-    train = data["sections"].get("train_r40", {}).get("result", {})
-    configs = train.get("configs", {})
-    if configs:
-        print("\n| config | compile | tokens/s | step s | MFU 989T | MFU matmul | peak GiB | syncs/step | "
-              "loss first->last |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for name, c in configs.items():
-            if "error" in c:
-                print(f"| {name} | failed: {c['error'][:80]} |")
+        used += s.get("seconds") or 0
+        print(f"{name:<16} {s.get('status', '?'):<8} {_fmt(s.get('seconds'), '.0f'):>4} s of {_fmt(s.get('limit'), '.0f'):>4}"
+              f"  {note[:100]}")
+    print(f"{'sections':<16} {used:.0f} s of a {_fmt(data.get('budget'), '.0f')} s budget")
+    for w in data.get("machine", {}).get("warnings", []):
+        print(f"WARNING: {w}")
+    results = {n: s.get("result") for n, s in data["sections"].items() if n in train.TRAIN_SECTIONS}
+    if results:
+        print("\n| config | compile | tokens/s | step s | MFU 989T | MFU matmul | peak GiB | peak / estimate | "
+              "syncs/step | loss first->last |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for name, c in results.items():
+            status = data["sections"][name].get("status")
+            if not c or "step_s_median" not in c:
+                print(f"| {name} | {status}: {(data['sections'][name].get('error') or '')[:80]} |")
                 continue
             peak = c.get("peak_memory_bytes")
             losses = c.get("losses") or [None]
             print(f"| {name} | {c.get('compile')} | {_fmt(c.get('tokens_per_s'), '.0f')} | "
                   f"{_fmt(c.get('step_s_median'), '.4f')} | {_fmt(c.get('mfu_vs_datasheet'), '.3f')} | "
                   f"{_fmt(c.get('mfu_vs_measured_matmul'), '.3f')} | {_fmt(peak and peak / 2**30, '.1f')} | "
-                  f"{_fmt(c.get('syncs_per_step'), 'd')} | {_fmt(losses[0], '.3f')}->{_fmt(losses[-1], '.3f')} |")
-        print(f"NAG / baseline step time: {_fmt(train.get('nag_over_baseline_step_time'))}")
-        mod = train.get("mod") or {}
+                  f"{_fmt(c.get('peak_over_estimate'), '.2f')} | {_fmt(c.get('syncs_per_step'), 'd')} | "
+                  f"{_fmt(losses[0], '.3f')}->{_fmt(losses[-1], '.3f')} |")
+        comparison = train.compare(results)
+        data["comparison"] = finite(comparison)
+        save(args.out, data)
+        print(f"NAG / baseline step time: {_fmt(comparison.get('nag_over_baseline_step_time'))}")
+        mod = comparison.get("mod") or {}
         print(f"MoD: skip {_fmt(mod.get('skip_rate'))}, wall speed-up {_fmt(mod.get('wall_clock_speedup'))} vs "
               f"charged-FLOP ratio {_fmt(mod.get('charged_flop_ratio'))}: gain share "
               f"{_fmt(mod.get('gain_fraction_of_flop_gain'))}")
@@ -315,8 +259,12 @@ def main(argv=None) -> int:
             p.add_argument("name")
         if name in ("init", "run"):
             p.add_argument("--mode", choices=("gpu", "cpu"), required=True)
+        if name == "init":
+            p.add_argument("--budget", type=float, default=None, help="the script's budget (s)")
         if name == "run":
             p.add_argument("--work", required=True)
+        if name in ("run", "record"):
+            p.add_argument("--limit", type=float, default=None, help="the section's time limit (s)")
         if name == "record":
             p.add_argument("--status", choices=("timeout", "failed"), required=True)
             p.add_argument("--seconds", type=float, required=True)

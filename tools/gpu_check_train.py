@@ -1,19 +1,24 @@
 """The training sections of tools/gpu_check.sh (run through tools/gpu_check_sections.py), all through the real
 `nagmoe.train.trainer.Trainer`:
 
-  data       script-made token shards (no network, no `datasets`): documents of phrases drawn from a Zipf-weighted
-             phrase bank whose ids are Zipf-distributed, so the loss falls within a few steps; a word-level
-             tokenizer.json of exactly the vocabulary (the trainer's bits-per-byte needs a real one).
-  train_r40  configs/paper/{baseline,nag,nag-mod20}-r40.yaml at parallel.ep=1 in ONE process (shared compile
-             caches), train.batch_tokens=65536, 10 steps driven one `train_step` at a time (no eval, no
-             checkpoint): per config tokens/s (median of the steady steps), MFU against the data sheet and
-             against a bf16 matmul measured here, peak memory beside the memory estimate, host syncs per step
-             (torch.cuda.set_sync_debug_mode("warn") over the last step; CPU: null), the losses; MoD's realised
-             skip rate and wall-clock speed-up against its FLOP gain; NAG / baseline step time.
-  resume     a 4-layer nag-mod20-r40: 4 steps straight, and 2 steps then a resume to 4 (run dirs, checkpoints
-             and metrics.jsonl as `nagmoe train` writes them): the per-step losses must match.
-`train.compile` is the config's; when compiling fails the config runs again eager, recorded as
-"eager fallback" with the error. --cpu mode: the same at tiny width (d_model 64, 2 layers, vocabulary 512).
+  data             script-made token shards (no network, no `datasets`): documents of phrases drawn from a
+                   Zipf-weighted phrase bank whose ids are Zipf-distributed, so the loss falls within a few steps; a
+                   word-level tokenizer.json of exactly the vocabulary (the trainer's bits-per-byte needs one).
+  train_baseline,  configs/paper/{baseline,nag,nag-mod20}-r40.yaml at parallel.ep=1, one section (process) each so a
+  train_nag,       hang or crash in one leaves the others their time; compile caches shared on disk between them
+  train_nag_mod20  (tools/gpu_check.sh sets TORCHINDUCTOR_CACHE_DIR); train.batch_tokens=65536, 8 steps driven one
+                   `train_step` at a time (no eval, no checkpoint): tokens/s (median of the steady steps), MFU
+                   against the data sheet and a bf16 matmul measured here, peak memory beside the committed memory
+                   estimate (tools/gpu_check_estimates.json, computed on a CPU under CUDA's rules of this torch),
+                   host syncs per step (torch.cuda.set_sync_debug_mode("warn") over the last step; CPU: null) and
+                   their sites, the losses; MoD's realised skip rate. `compare` (the summary) sets NAG against the
+                   baseline and MoD's wall-clock speed-up against its FLOP gain.
+  resume           a 4-layer nag-mod20-r40: 4 steps straight, and 2 steps then a resume to 4 (run dirs,
+                   checkpoints and metrics.jsonl as `nagmoe train` writes them): the per-step losses must match.
+`train.compile` is the config's; when compiling fails the config runs again eager, recorded as "eager fallback"
+with the error, if the section's time allows. On a GPU other than sm90/sm100 (H100/H200, B200) a warning is
+recorded: `torch._grouped_mm` has its fast kernel there only; elsewhere it loops over the experts with a host sync
+per call. --cpu mode: the same at tiny width (d_model 64, 2 layers, vocabulary 512), the estimate computed here.
 """
 from __future__ import annotations
 
@@ -25,20 +30,8 @@ import statistics
 import time
 import traceback
 
-from gpu_check_sections import REPO, SectionFailed, one_line
-
-PAPER = {"baseline": "baseline-r40", "nag": "nag-r40", "nag_mod20": "nag-mod20-r40"}
-SIZES = {
-    "gpu": dict(vocab=32768, seq=2048, model=[], batch_tokens=65536, steps=10, timed_from=4,
-                data_tokens=1_500_000, eval_tokens=32768, matmul_n=8192, resume_steps=4, tolerance=2e-3),
-    "cpu": dict(vocab=512, seq=64, batch_tokens=512, micro_batch_tokens=256, steps=3, timed_from=2,
-                data_tokens=1 << 16, eval_tokens=512,
-                model=["model.d_model=64", "model.n_layers=2", "model.moe.expert_hidden=64",
-                       "model.attention.n_heads=4"], matmul_n=512, resume_steps=4, tolerance=1e-5),
-}
-# GPU: the paper's micro-batch (32768 tokens: 2 micro-steps per step); CPU: the same 2 micro-steps
-# injection warm-up: 2 steps on the GPU, 1 on CPU; MoD skips from then on (model.mod.start_tokens=0)
-WARMUP_STEPS = {"gpu": 2, "cpu": 1}
+from gpu_check_common import REPO, SectionFailed, one_line
+from gpu_check_configs import PAPER, SIZES, micro_batch_tokens, overrides, paper_config
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -88,21 +81,8 @@ def make_data(root: str, vocab: int, n_tokens: int, seed: int = 0) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 # shared
 # ----------------------------------------------------------------------------------------------------------
-def overrides(ctx, s: dict) -> list[str]:
-    """The paper config at this check's size: script-made data, EP=1, no eval or checkpoint on the way, MoD from
-    the end of a short injection warm-up, and a 2-step LR warm-up so the loss falls within the few steps."""
-    return [*s["model"], f"model.vocab_size={s['vocab']}", f"model.max_seq_len={s['seq']}", f"data.seq_len={s['seq']}",
-            f"data.data_dir={os.path.join(ctx.work, 'data', 'data')}", "data.verify_shards=false", "parallel.ep=1",
-            f"train.batch_tokens={s['batch_tokens']}", "model.mod.start_tokens=0",
-            *([f"train.micro_batch_tokens={s['micro_batch_tokens']}"] if "micro_batch_tokens" in s else []),
-            f"model.nag.warmup_tokens={WARMUP_STEPS[ctx.mode] * s['batch_tokens']}", "train.warmup_steps=2",
-            "log.wandb=off", "train.eval_every=0", "train.checkpoint_every=0", f"train.eval_tokens={s['eval_tokens']}"]
-
-
-def load(name: str, extra: list[str]):
-    from nagmoe.config import load_config
-
-    return load_config(os.path.join(REPO, "configs", "paper", f"{name}.yaml"), extra)
+def data_dir(ctx) -> str:
+    return os.path.join(ctx.work, "data", "data")
 
 
 def compiles(cfg, device) -> bool:
@@ -127,9 +107,10 @@ def free_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def with_eager_fallback(cfg_for, run, device) -> dict:
+def with_eager_fallback(ctx, cfg_for, run, device) -> dict:
     """run(extra overrides, run-dir suffix) with the config's train.compile; if that compiles and fails, once
-    more eager (train.compile=false). cfg_for(extra) loads the config."""
+    more eager (train.compile=false) when at least half of the section's time limit is left (a failure late in
+    the limit would only be killed part-way). cfg_for(extra) loads the config."""
     if not compiles(cfg_for([]), device):
         return {"compile": "off", **run([], "")}
     try:
@@ -137,6 +118,10 @@ def with_eager_fallback(cfg_for, run, device) -> dict:
     except Exception as e:  # noqa: BLE001 (any failure under compile earns the eager try)
         traceback.print_exc()
         error = one_line(e)
+    left = ctx.seconds_left()
+    if left is not None and left < ctx.limit / 2:
+        raise RuntimeError(f"compiled run failed ({error}); {left:.0f} s of the section's {ctx.limit} s left: "
+                           "no eager rerun")
     import torch._dynamo
 
     free_memory()
@@ -144,15 +129,24 @@ def with_eager_fallback(cfg_for, run, device) -> dict:
     return {"compile": "eager fallback", "compile_error": error, **run(["train.compile=false"], "-eager")}
 
 
+FAST_GROUPED_MM = (9, 10)  # compute capability majors where torch._grouped_mm has its kernel: sm90 (H100/H200), sm100
+
+
 def device_info():
+    """(device, name, data-sheet peak FLOP/s, warnings)."""
     import torch
 
     from nagmoe.flops import peak_flops
 
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        return torch.device("cuda"), name, peak_flops(name) or 989e12  # H200 bf16 dense: 989 TFLOP/s
-    return torch.device("cpu"), "cpu", None
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), "cpu", None, []
+    name = torch.cuda.get_device_name(0)
+    major, minor = torch.cuda.get_device_capability(0)
+    warnings = []
+    if major not in FAST_GROUPED_MM:
+        warnings.append(f"{name} is sm{major}{minor}: torch._grouped_mm has its fast kernel on sm90/sm100 only; "
+                        "here the MoE experts loop with a host sync per call (tokens/s and syncs not representative)")
+    return torch.device("cuda"), name, peak_flops(name) or 989e12, warnings  # H200 bf16 dense: 989 TFLOP/s
 
 
 def sync(device) -> None:
@@ -213,15 +207,30 @@ def counted_syncs(fn):
     return out, len(hits), dict(sites.most_common(12))
 
 
-def train_config(cfg, run_dir: str, s: dict, device, matmul: float, peak) -> dict:
+def memory_estimate(key: str, cfg, device) -> dict:
+    """GPU: the committed estimate of this config under CUDA's rules of this torch (tools/gpu_check_estimates.py;
+    its probes take about a minute of CPU, not lease time); CPU: computed here (tiny width, a second)."""
+    import torch
+
+    from nagmoe.cuda_rules.table import version_key
+    from nagmoe.train.memory import estimate_memory
+
+    if device.type == "cuda":
+        from gpu_check_estimates import lookup
+
+        return {"source": "committed", **lookup(key, cfg, version_key(torch.__version__))}
+    est = estimate_memory(cfg, ep=1, micro_batch_tokens=micro_batch_tokens(cfg), device="cpu", world_size=1)
+    return {"source": "computed here", "bytes": est["total"], "cuda_rules": est["layout"]["cuda_rules"]}
+
+
+def train_config(key: str, cfg, run_dir: str, s: dict, device, matmul: float, peak) -> dict:
     import torch
 
     from nagmoe.cuda_rules.contracts import KernelContracts
     from nagmoe.flops import flops_per_token
-    from nagmoe.train.memory import estimate_memory
     from nagmoe.train.trainer import Trainer
 
-    estimate = estimate_memory(cfg, ep=1, device=device.type)["total"]
+    estimate = memory_estimate(key, cfg, device)
     free_memory()
     before = torch.cuda.memory_allocated() if device.type == "cuda" else None  # what an earlier config left
     trainer = Trainer(cfg, run_dir)  # not quiet: its device, backends and accumulation go to the log
@@ -272,7 +281,10 @@ def train_config(cfg, run_dir: str, s: dict, device, matmul: float, peak) -> dic
            "dynamo": {k: v - dynamo0[k] for k, v in dynamo_counts().items()},
            "precision": trainer.precision.describe(), "kernel_contracts": contracts,
            "backends_ran": trainer.backends_ran,
-           "memory_estimate_bytes": estimate, "syncs_per_step": syncs, "sync_sites": sites, "losses": losses,
+           "memory_estimate": estimate, "memory_estimate_bytes": estimate.get("bytes"),
+           "peak_over_estimate": (torch.cuda.max_memory_allocated() / estimate["bytes"]
+                                  if device.type == "cuda" and estimate.get("bytes") else None),
+           "syncs_per_step": syncs, "sync_sites": sites, "losses": losses,
            "loss_finite": all(math.isfinite(x) for x in losses), "loss_falling": losses[-1] < losses[0]}
     if fractions is not None:  # MoD: what the trainer's accounting says the steady steps skipped and cost
         conv = cfg.train.flop_convention
@@ -285,48 +297,54 @@ def train_config(cfg, run_dir: str, s: dict, device, matmul: float, peak) -> dic
     return out
 
 
-def section_train(ctx) -> dict:
-    import torch
+def train_section(key: str):
+    """The section that trains configs/paper/<PAPER[key]>.yaml (module docstring)."""
 
-    s = SIZES[ctx.mode]
-    device, name, peak = device_info()
-    matmul = matmul_flops(device, s["matmul_n"])
-    ctx.note_machine(torch=torch.__version__, device=name)
-    result = {"device": name, "torch": torch.__version__, "datasheet_peak_flops": peak, "matmul": matmul,
-              "steps": s["steps"], "overrides": overrides(ctx, s), "configs": {}}
-    for key, paper in PAPER.items():
-        started = time.time()
-        try:
-            def cfg_for(extra, paper=paper):
-                return load(paper, [*result["overrides"], *extra])
+    def section(ctx) -> dict:
+        import torch
 
-            res = with_eager_fallback(cfg_for, lambda extra, suffix: train_config(
-                cfg_for(extra), fresh_dir(ctx, key + suffix), s, device, matmul["flops_per_s"], peak), device)
-        except Exception as e:  # noqa: BLE001 (one config's failure leaves the others' results)
-            traceback.print_exc()
-            res = {"error": one_line(e)}
-        result["configs"][key] = {"config": f"configs/paper/{paper}.yaml", "seconds": time.time() - started, **res}
-        print(f"{key}: {res.get('error') or {k: res.get(k) for k in ('compile', 'tokens_per_s', 'losses')}}",
-              flush=True)
-        free_memory()
-        ctx.partial(result)
-    c = result["configs"]
-    ok = {k: v for k, v in c.items() if "error" not in v}
+        s = SIZES[ctx.mode]
+        device, name, peak, warnings = device_info()
+        matmul = matmul_flops(device, s["matmul_n"])
+        ctx.note_machine(torch=torch.__version__, device=name, **({"warnings": warnings} if warnings else {}))
+        for w in warnings:
+            print(f"WARNING: {w}", flush=True)
+
+        def cfg_for(extra):
+            return paper_config(key, ctx.mode, data_dir(ctx), extra)
+
+        res = with_eager_fallback(ctx, cfg_for, lambda extra, suffix: train_config(
+            key, cfg_for(extra), fresh_dir(ctx, key + suffix), s, device, matmul["flops_per_s"], peak), device)
+        result = {"config": f"configs/paper/{PAPER[key]}.yaml", "device": name, "torch": torch.__version__,
+                  "datasheet_peak_flops": peak, "matmul": matmul, "steps": s["steps"], "warnings": warnings,
+                  "overrides": overrides(ctx.mode, data_dir(ctx)), **res}
+        print(f"{key}: { {k: res.get(k) for k in ('compile', 'tokens_per_s', 'losses')} }", flush=True)
+        if not (res["loss_finite"] and res["loss_falling"]):
+            raise SectionFailed(f"{key}: losses {'not finite' if not res['loss_finite'] else 'not falling'} "
+                                f"{res['losses']}", result)
+        return result
+
+    return section
+
+
+TRAIN_SECTIONS = {f"train_{key}": train_section(key) for key in PAPER}
+
+
+def compare(results: dict) -> dict:
+    """From the train sections' results ({section name: result}): NAG / baseline step time, and MoD's wall-clock
+    speed-up against the FLOP gain the trainer charged (the share of the FLOP gain realised)."""
+    ok = {name[len("train_"):]: r for name, r in results.items() if r and "step_s_median" in r}
+    out = {}
     if "nag" in ok and "baseline" in ok:
-        result["nag_over_baseline_step_time"] = ok["nag"]["step_s_median"] / ok["baseline"]["step_s_median"]
-    if "nag" in ok and "nag_mod20" in ok:
+        out["nag_over_baseline_step_time"] = ok["nag"]["step_s_median"] / ok["baseline"]["step_s_median"]
+    if "nag" in ok and "nag_mod20" in ok and ok["nag_mod20"].get("mod"):
         mod = ok["nag_mod20"]["mod"]
         speedup = ok["nag"]["step_s_median"] / ok["nag_mod20"]["step_s_median"]
         charged = mod["full_depth_flops_per_token"] / mod["charged_flops_per_token"]
-        result["mod"] = {"skip_rate": mod["skip_rate"], "wall_clock_speedup": speedup, "charged_flop_ratio": charged,
-                         "executed_flop_ratio": mod["full_depth_flops_per_token"] / mod["executed_flops_per_token"],
-                         "gain_fraction_of_flop_gain": (speedup - 1) / (charged - 1) if charged > 1 else None}
-    problems = [f"{k}: {v['error']}" for k, v in c.items() if "error" in v]
-    problems += [f"{k}: losses {'not finite' if not v['loss_finite'] else 'not falling'} {v['losses']}"
-                 for k, v in ok.items() if not (v["loss_finite"] and v["loss_falling"])]
-    if problems:
-        raise SectionFailed("; ".join(problems), result)
-    return result
+        out["mod"] = {"skip_rate": mod["skip_rate"], "wall_clock_speedup": speedup, "charged_flop_ratio": charged,
+                      "executed_flop_ratio": mod["full_depth_flops_per_token"] / mod["executed_flops_per_token"],
+                      "gain_fraction_of_flop_gain": (speedup - 1) / (charged - 1) if charged > 1 else None}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -355,12 +373,11 @@ def section_resume(ctx) -> dict:
     s = SIZES[ctx.mode]
     device = device_info()[0]
     n = s["resume_steps"]
-    base = [*overrides(ctx, s), "model.n_layers=4"]
 
     def cfg_for(extra):
-        return load(PAPER["nag_mod20"], [*base, *extra])
+        return paper_config("nag_mod20", ctx.mode, data_dir(ctx), ["model.n_layers=4", *extra])
 
-    res = with_eager_fallback(cfg_for, lambda extra, suffix: resume_runs(
+    res = with_eager_fallback(ctx, cfg_for, lambda extra, suffix: resume_runs(
         ctx, lambda more: cfg_for([*extra, *more]), n, suffix), device)
     a, b = res.pop("straight"), res.pop("chained")
     rel = {step: abs(b[step] - a[step]) / max(abs(a[step]), 1e-12) for step in a if step in b}

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-CPU_SECTIONS = ("data", "train_r40", "resume", "mod_block", "env", "tests", "dcp")
+TRAIN = ("train_baseline", "train_nag", "train_nag_mod20")
+CPU_SECTIONS = ("data", *TRAIN, "resume", "mod_block", "env", "tests", "dcp")
 
 
 def gpu_check(repo_root, out, **env_extra):
@@ -30,20 +31,23 @@ def test_gpu_check_cpu_mode_records_every_section(repo_root, tmp_path):
     assert bench["cuda_rules"] == "2.11"  # every section under CUDA's autocast rules of the GPU machine's torch
     for name, s in sections.items():
         assert s["status"] == "ok", (name, s)
-    train = sections["train_r40"]["result"]
-    assert set(train["configs"]) == {"baseline", "nag", "nag_mod20"}
-    for name, c in train["configs"].items():
+        assert 0 <= s["seconds"] <= s["limit"], (name, s)  # each section's time against its own limit
+    assert bench["budget"] == 200 and sum(s["limit"] for s in sections.values()) <= bench["budget"]
+    for name in TRAIN:
+        c = sections[name]["result"]
         losses = c["losses"]
         assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], (name, losses)
         assert c["compile"] in ("off", "on", "eager fallback") and c["grad_accum"] == 2
         assert c["tokens_per_s"] > 0 and 0 < c["mfu_vs_measured_matmul"] and c["memory_estimate_bytes"] > 0
+        assert c["memory_estimate"]["source"] == "computed here" and c["memory_estimate"]["cuda_rules"] == "2.11"
         assert c["syncs_per_step"] is None and c["peak_memory_bytes"] is None  # CUDA-only readings
         assert c["precision"]["cuda_rules"] == "2.11" and c["backends"]["precision"].endswith("torch 2.11")
         assert c["kernel_contracts"] == {"grouped_mm_dtypes": [["bfloat16", "bfloat16"]], "violations": []}, name
         assert c["backends_ran"]["experts"] == {"grouped": 2} and "fallbacks" not in c["backends_ran"], name
-    mod = train["mod"]
+        assert c["warnings"] == []
+    mod = bench["comparison"]["mod"]
     assert 0 < mod["skip_rate"] < 1 and mod["charged_flop_ratio"] > 1 and mod["wall_clock_speedup"] > 0
-    assert train["nag_over_baseline_step_time"] > 0
+    assert bench["comparison"]["nag_over_baseline_step_time"] > 0
     resume = sections["resume"]["result"]
     assert resume["resumed_at_step"] == 2 and resume["max_rel_diff_after_resume"] <= resume["tolerance"]
     assert resume["losses_resumed"] == pytest.approx(resume["losses_straight"], rel=resume["tolerance"])
@@ -52,7 +56,8 @@ def test_gpu_check_cpu_mode_records_every_section(repo_root, tmp_path):
     assert sections["mod_block"]["result"]["precision"]["compute_dtype"] == "bfloat16"
     assert "skipped" in sections["tests"]["result"]["summary"]  # the gpu tests were collected, then skipped
     assert (tmp_path / sections["dcp"]["result"]["metadata"]).is_file()
-    assert "| nag_mod20 |" in proc.stdout and "NAG / baseline step time" in proc.stdout
+    assert "| train_nag_mod20 |" in proc.stdout and "NAG / baseline step time" in proc.stdout
+    assert "resume           ok" in proc.stdout and " s of a 200 s budget" in proc.stdout
 
 
 def test_a_failing_or_killed_section_leaves_the_others(repo_root, tmp_path):
@@ -65,7 +70,7 @@ def test_a_failing_or_killed_section_leaves_the_others(repo_root, tmp_path):
     assert sections["data"]["status"] == "failed"
     assert sections["data"]["error"] == "RuntimeError: deliberate failure (GPU_CHECK_FAIL=data)"
     assert sections["env"]["status"] == "ok" and sections["env"]["result"]["device"] == "cpu"
-    assert sections["dcp"] == {"status": "timeout", "seconds": sections["dcp"]["seconds"],
+    assert sections["dcp"] == {"status": "timeout", "seconds": sections["dcp"]["seconds"], "limit": 2,
                                "error": "killed at its 2 s limit"}
 
 

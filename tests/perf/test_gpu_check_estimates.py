@@ -1,0 +1,69 @@
+"""Issue 39: the GPU check fits its lease. Its memory estimates are computed on a CPU ahead of time and committed
+(tools/gpu_check_estimates.json): they must be current; a config or code change makes an entry stale; the GPU
+sections' limits add up to the budget; the tools import one another without a circle."""
+import ast
+import os
+import re
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOLS = os.path.join(REPO, "tools")
+
+
+@pytest.fixture(scope="module")
+def estimates():
+    sys.path.insert(0, TOOLS)
+    try:
+        import gpu_check_estimates
+
+        yield gpu_check_estimates
+    finally:
+        sys.path.remove(TOOLS)
+
+
+def test_the_committed_estimates_are_current(estimates):
+    """Fails when the model, the estimator, the rules tier or a check config changed since the JSON was written:
+    rerun `python tools/gpu_check_estimates.py --write` (under a minute) and commit the JSON."""
+    assert estimates.problems() == []
+    entries = estimates.read()["entries"]
+    assert set(entries) == {estimates.key(n, r) for n in estimates.PAPER for r in estimates.RULES}
+    for entry in entries.values():
+        assert entry["layout"]["cuda_rules"] == entry["cuda_rules"] and entry["total"] == sum(entry["parts"].values())
+
+
+def test_a_changed_config_or_code_makes_an_entry_stale(estimates, monkeypatch):
+    configs = estimates.gpu_configs()
+    rules = estimates.RULES[0]
+    assert "bytes" in estimates.lookup("nag", configs["nag"], rules)
+    wider = estimates.paper_config("nag", "gpu", "/nonexistent", ["train.micro_batch_tokens=16384"])
+    assert "stale" in estimates.lookup("nag", wider, rules)
+    assert "missing" in estimates.lookup("nag", configs["nag"], "2.13")  # no entry for another torch's rules
+    monkeypatch.setattr(estimates, "code_digest", lambda: "the model's code changed")
+    found = estimates.lookup("nag", configs["nag"], rules)
+    assert "stale" in found and found["bytes_when_computed"] > 0
+
+
+def test_the_gpu_sections_fit_the_budget():
+    script = open(os.path.join(TOOLS, "gpu_check.sh")).read()
+    gpu = script.split("else\n", 1)[1]  # the GPU branch of `if [[ $MODE == cpu ]]`
+    budget = int(re.search(r'BUDGET="\$\{GPU_CHECK_BUDGET:-(\d+)\}"', gpu).group(1))
+    limits = dict(re.findall(r"(\w+):(\d+)", gpu.split("SECTIONS=(", 1)[1].split(")", 1)[0]))
+    assert budget == 350 and sum(map(int, limits.values())) <= budget, limits
+    assert {"train_baseline", "train_nag", "train_nag_mod20"} <= set(limits)  # each config its own process
+
+
+def test_the_gpu_check_tools_import_without_a_circle():
+    graph = {}
+    for name in os.listdir(TOOLS):
+        if name.startswith("gpu_check") and name.endswith(".py"):
+            tree = ast.parse(open(os.path.join(TOOLS, name)).read())
+            mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+            graph[name[:-3]] = {m for m in mods if m.startswith("gpu_check")}
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph.get(start, ()))
+
+    assert len(graph) >= 5 and not [m for m in graph if reaches(m, m)], graph
