@@ -132,6 +132,15 @@ def with_eager_fallback(ctx, cfg_for, run, device) -> dict:
 FAST_GROUPED_MM = (9, 10)  # compute capability majors where torch._grouped_mm has its kernel: sm90 (H100/H200), sm100
 
 
+def grouped_mm_warning(name: str, capability: tuple) -> list[str]:
+    """A warning for a GPU where `torch._grouped_mm` has no fast kernel (none on sm90 / sm100)."""
+    major, minor = capability
+    if major in FAST_GROUPED_MM:
+        return []
+    return [f"{name} is sm{major}{minor}: torch._grouped_mm has its fast kernel on sm90/sm100 only; here the MoE "
+            "experts loop with a host sync per call (tokens/s and syncs not representative)"]
+
+
 def device_info():
     """(device, name, data-sheet peak FLOP/s, warnings)."""
     import torch
@@ -141,11 +150,7 @@ def device_info():
     if not torch.cuda.is_available():
         return torch.device("cpu"), "cpu", None, []
     name = torch.cuda.get_device_name(0)
-    major, minor = torch.cuda.get_device_capability(0)
-    warnings = []
-    if major not in FAST_GROUPED_MM:
-        warnings.append(f"{name} is sm{major}{minor}: torch._grouped_mm has its fast kernel on sm90/sm100 only; "
-                        "here the MoE experts loop with a host sync per call (tokens/s and syncs not representative)")
+    warnings = grouped_mm_warning(name, torch.cuda.get_device_capability(0))
     return torch.device("cuda"), name, peak_flops(name) or 989e12, warnings  # H200 bf16 dense: 989 TFLOP/s
 
 

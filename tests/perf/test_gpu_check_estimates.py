@@ -67,3 +67,12 @@ def test_the_gpu_check_tools_import_without_a_circle():
         return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph.get(start, ()))
 
     assert len(graph) >= 5 and not [m for m in graph if reaches(m, m)], graph
+
+
+def test_a_gpu_without_the_fast_grouped_mm_is_warned_about(estimates):
+    import gpu_check_train
+
+    assert gpu_check_train.grouped_mm_warning("NVIDIA H200", (9, 0)) == []
+    assert gpu_check_train.grouped_mm_warning("NVIDIA B200", (10, 0)) == []
+    (warning,) = gpu_check_train.grouped_mm_warning("NVIDIA A100-SXM4-80GB", (8, 0))
+    assert warning.startswith("NVIDIA A100-SXM4-80GB is sm80") and "host sync per call" in warning

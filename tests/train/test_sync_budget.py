@@ -85,10 +85,19 @@ def test_a_blocking_host_copy_to_a_device_is_counted():
     does not (nagmoe/train/host_copy.py, checked on CUDA in tests/gpu). Here "meta" stands for the device."""
     import torch
 
-    from nagmoe.train.host_copy import to_device
-
     x = torch.arange(6.0)
     with SyncCounter() as counter:
         x.to("meta"), x.to(device="meta", non_blocking=True), x.to(torch.device("meta"), torch.float16)
-        x.to("cpu"), x.to(torch.float64), to_device(x, torch.device("cpu"))  # host to host: no copy to wait for
+        x.to("cpu"), x.to(torch.float64)  # host to host: no copy to wait for
     assert [site.split(" ")[1] for site in counter.counts] == ["to-device"] and counter.total == 3, counter.table()
+
+
+def test_the_trainers_batch_copy_is_plain_off_cuda():
+    import torch
+
+    from nagmoe.train.host_copy import to_device
+
+    x = torch.arange(6)
+    with SyncCounter() as counter:
+        y = to_device(x, torch.device("cpu"))
+    assert y is x and counter.total == 0  # pin_memory() would raise on a CPU-only torch
