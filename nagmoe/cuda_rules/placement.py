@@ -45,7 +45,7 @@ ALLOWED: dict[tuple[str, str], str] = {
 
 
 def _caller():
-    """The frame that called the torch function (skipping this file and torch's Python wrappers)."""
+    """The frame that called the torch function (this file's frames skipped)."""
     frame = sys._getframe(2)
     while frame is not None and os.path.abspath(frame.f_code.co_filename) == _SELF:
         frame = frame.f_back
@@ -58,15 +58,11 @@ def _site(frame) -> str:
     return f"{shown}:{frame.f_lineno}"
 
 
-def _is_host_data(value) -> bool:
-    return not isinstance(value, torch.Tensor)
-
-
 def _kind(name: str, args, kwargs):
     if name in HOST_DATA:
         data = args[1] if name == "new_tensor" and len(args) > 1 else (args[0] if args else kwargs.get("data"))
         if name == "new_tensor" or kwargs.get("device") is not None:  # new_tensor: the source's device
-            return "host data" if _is_host_data(data) else None
+            return None if isinstance(data, torch.Tensor) else "host data"
         if name == "as_tensor" and isinstance(data, torch.Tensor):
             return None  # no copy: the tensor stays where it is
         return "no device"

@@ -46,25 +46,28 @@ def _call_site() -> str:
     return fallback or "?"
 
 
-def _to_cpu(args, kwargs) -> bool:
-    """`t.to(...)` that copies a device tensor to the host."""
+def _copy_ends(args, kwargs):
+    """(source tensor, target device type) of a `t.to(...)` call; (None, None) when it names no device."""
     device = kwargs.get("device")
     for a in args[1:]:
         if isinstance(a, (str, torch.device)):
             device = a
     source = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    return (device is not None and torch.device(device).type == "cpu" and source is not None
-            and source.device.type != "cpu")
+    if device is None or source is None:
+        return None, None
+    return source, torch.device(device).type
+
+
+def _to_cpu(args, kwargs) -> bool:
+    """`t.to(...)` that copies a device tensor to the host."""
+    source, target = _copy_ends(args, kwargs)
+    return target == "cpu" and source.device.type != "cpu"
 
 
 def _to_device_sync(args, kwargs) -> bool:
     """`t.to(...)` a non-CPU device from a host tensor that waits: a pageable source or a blocking copy."""
-    device = kwargs.get("device")
-    for a in args[1:]:
-        if isinstance(a, (str, torch.device)):
-            device = a
-    source = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if device is None or source is None or source.device.type != "cpu" or torch.device(device).type == "cpu":
+    source, target = _copy_ends(args, kwargs)
+    if target in (None, "cpu") or source.device.type != "cpu":
         return False
     non_blocking = kwargs.get("non_blocking", any(a is True for a in args[1:]))
     return not (non_blocking and source.is_pinned())
