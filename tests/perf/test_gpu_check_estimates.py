@@ -76,3 +76,34 @@ def test_a_gpu_without_the_fast_grouped_mm_is_warned_about(estimates):
     assert gpu_check_train.grouped_mm_warning("NVIDIA B200", (10, 0)) == []
     (warning,) = gpu_check_train.grouped_mm_warning("NVIDIA A100-SXM4-80GB", (8, 0))
     assert warning.startswith("NVIDIA A100-SXM4-80GB is sm80") and "host sync per call" in warning
+
+
+def test_the_eager_rerun_after_a_compile_failure_needs_half_the_limit(estimates, tmp_path):
+    """A compile failure earns an eager rerun only while half the section's limit is left: a late failure's rerun
+    would be killed part-way and its time lost to the sections after it."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    import gpu_check_train
+    from gpu_check_common import Ctx
+
+    cfg = SimpleNamespace(train=SimpleNamespace(compile=True))
+    calls = []
+
+    def run(extra, suffix):
+        calls.append(extra)
+        if not extra:
+            raise RuntimeError("inductor: a compile error")
+        return {"losses": [1.0]}
+
+    early = Ctx("train_nag", "cpu", str(tmp_path), str(tmp_path), limit=60)
+    res = gpu_check_train.with_eager_fallback(early, lambda extra: cfg, run, torch.device("cpu"))
+    assert res["compile"] == "eager fallback" and res["compile_error"].startswith("RuntimeError: inductor")
+    assert calls == [[], ["train.compile=false"]]
+    late = Ctx("train_nag", "cpu", str(tmp_path), str(tmp_path), limit=60)
+    late.t0 = time.time() - 40  # 20 s of 60 left
+    with pytest.raises(RuntimeError, match="no eager rerun"):
+        gpu_check_train.with_eager_fallback(late, lambda extra: cfg, run, torch.device("cpu"))
+    assert calls[-1] == []  # the compiled try only
