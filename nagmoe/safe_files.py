@@ -1,0 +1,107 @@
+"""The one writer for every file nagmoe writes (issue 40): nothing is written through a name someone planted.
+
+Run dirs, report dirs and data dirs live in shared, group-writable trees where another user can plant a symlink
+or a hard link at a name we are about to write. So:
+
+  * A whole file is written to a fresh temporary beside it, `.NAME.tmp-<random>`, created with
+    O_CREAT|O_EXCL|O_NOFOLLOW (nothing there is opened, followed or truncated: a planted name is never ours),
+    mode 0o666 minus the umask (as `open` would; `mkstemp`'s 0600 would lock the group out of shared runs),
+    written, fsynced when durability matters, then `os.replace`d onto NAME: the rename replaces the directory
+    entry, whatever link was there, and never writes into it.
+    `atomic_writer(path)` (a file object: `json.dump`, `torch.save(obj, f)`, `fig.savefig(f, format="png")`),
+    `write_atomic(path, data)`.
+  * A file appended in place (`metrics.jsonl`) is opened with O_NOFOLLOW and refused unless it is a regular
+    file with one link: `open_append(path)`; a symlink or a hard link there is a UserError naming the file
+    (exit 2), and the other file is left as it was.
+  * Temporary directories: `make_temp_dir(parent, prefix)` (tempfile.mkdtemp: a fresh random name, 0700).
+The directories themselves (run dir, `checkpoints/`, `slurm/`, `figures/`, a data dir) may be symlinks: the rule
+is about the files written inside them. No realpath checks (they race); no chmod of a path.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+import tempfile
+from typing import IO, Iterator, Union
+
+from nagmoe.errors import UserError
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+TMP_MARK = ".tmp-"  # `.NAME.tmp-<random>`: what a crashed write leaves behind
+
+
+def temp_name(path: str) -> str:
+    """The fresh temporary beside `path`: `.NAME.tmp-<random hex>` in the same directory."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}{TMP_MARK}{secrets.token_hex(6)}")
+
+
+def _create_fresh(path: str, mode: int) -> tuple[int, str]:
+    for _ in range(8):  # a clash with a random name is someone's plant or a one-in-2^48 accident: draw again
+        tmp = temp_name(path)
+        try:
+            return os.open(tmp, _CREATE, mode), tmp
+        except FileExistsError:
+            continue
+    raise UserError(f"{os.path.dirname(path) or '.'}: cannot create a fresh temporary file there")
+
+
+def fsync_dir(folder: str) -> None:
+    fd = os.open(folder or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str, binary: bool = False, durable: bool = False, mode: int = 0o666,
+                  encoding: str = "utf-8") -> Iterator[IO]:
+    """Yields a file object on a fresh temporary; on a clean exit it replaces `path` (module docstring), else
+    the temporary is removed and `path` is untouched. `durable`: fsync the file and the directory."""
+    fd, tmp = _create_fresh(path, mode)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": encoding})) as f:
+            yield f
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        fsync_dir(os.path.dirname(path))
+
+
+def write_atomic(path: str, data: Union[str, bytes], durable: bool = False, mode: int = 0o666) -> None:
+    """`data` into `path` through a fresh temporary (module docstring)."""
+    with atomic_writer(path, binary=isinstance(data, bytes), durable=durable, mode=mode) as f:
+        f.write(data)
+
+
+def open_append(path: str, encoding: str = "utf-8") -> IO:
+    """`path` opened for appending in place, created if missing; a symlink, a hard link or anything but a regular
+    file there is a UserError (exit 2) naming it, and nothing is written."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{path}: is a symbolic link; nagmoe does not write through links") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        what = "is not a regular file" if not stat.S_ISREG(st.st_mode) else f"has {st.st_nlink} hard links"
+        raise UserError(f"{path}: {what}; nagmoe does not write into a file shared with another name")
+    return os.fdopen(fd, "a", encoding=encoding)
+
+
+def make_temp_dir(parent: str, prefix: str) -> str:
+    """A fresh directory `PREFIX<random>` inside `parent` (mode 0700), nobody else's."""
+    return tempfile.mkdtemp(prefix=prefix, dir=parent)
