@@ -52,7 +52,7 @@ TOP_KEYS = ("name", "flop_budget", "flop_convention", "seeds", "runs", "include"
 RUN_KEYS = ("config", "overrides")
 REPORT_KEYS = ("eval_items", "analysis_tokens")
 DEFAULT_REPORT = {"eval_items": 200, "analysis_tokens": 16384}
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` would let a trailing newline through
 
 
 @dataclass
@@ -252,8 +252,9 @@ def load_experiment(path: str) -> Experiment:
     if data.get("runs") and "flop_budget" not in data:
         raise UserError(f"{path}: missing 'flop_budget' (the file's own runs need one)")
     name = data["name"]
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise UserError(f"{path}: name: {name!r} must be one word of letters, digits, '.', '_' or '-'")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise UserError(f"{path}: name: {name if not isinstance(name, str) else name[:60]!r} must be one word of "
+                        "letters, digits, '.', '_' or '-'")
     budget = _positive_number(f"{path}: flop_budget", data["flop_budget"]) if "flop_budget" in data else None
     convention = data.get("flop_convention")
     if convention is not None and convention not in ("matmul", "non_embedding"):
@@ -271,7 +272,7 @@ def load_experiment(path: str) -> Experiment:
     runs = _included_runs(path, folder, data.get("include"))
     for run_name, spec in (data.get("runs") or {}).items():
         where = f"{path}: runs.{run_name}"
-        if not isinstance(run_name, str) or not _NAME.match(run_name):
+        if not isinstance(run_name, str) or not _NAME.fullmatch(run_name):
             raise UserError(f"{where}: the run name must be one word of letters, digits, '.', '_' or '-'")
         if not isinstance(spec, dict) or "config" not in spec:
             raise UserError(f"{where}: must be a mapping with 'config' (and optional 'overrides')")
@@ -388,7 +389,8 @@ REPORT_SCRIPT = """#!/bin/bash
 
 set -uo pipefail
 export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{threads}}}
-echo "[nagmoe] report of experiment {name} (job $SLURM_JOB_ID) -> {out}"
+OUT={out}
+echo "[nagmoe] report of experiment {name} (job $SLURM_JOB_ID) -> $OUT"
 exec {python} -m nagmoe report {run_dirs} --out {out} --title {title}{description} \\
   --eval-items {eval_items} --analysis-tokens {analysis_tokens}
 """
@@ -430,8 +432,10 @@ def slurm_jobs(exp: Experiment, plans: list, opts, runs_root: str = "runs", forc
         jobs.append(SlurmJob(p.label, run_dir, script, os.path.join(run_dir, slurm.SLURM_DIR, slurm.TRAIN_TEMPLATE),
                              config_yaml))
     out = os.path.abspath(exp.out_dir(runs_root))
-    lines = slurm.sbatch_lines(opts, f"{opts.job_name or exp.name}-report",
-                               os.path.join(out, slurm.SLURM_DIR, "slurm-report-%j.out"),
+    # every value below is shlex.quote'd in an unquoted place (the report's --out too: never inside "..."), and
+    # the log directory is checked in sbatch_lines like every job's, whether or not training jobs were rendered
+    lines = slurm.sbatch_lines(opts, f"{opts.job_name or exp.name}-report", os.path.join(out, slurm.SLURM_DIR),
+                               "slurm-report-%j.out", log_dir_what="--runs-root",
                                gpus=0 if opts.cpu_mode else 1, cpus_per_task=opts.cpus_per_task)
     run_dirs = " ".join(shlex.quote(os.path.abspath(d)) for d in report_run_dirs(exp, runs_root))
     text = REPORT_SCRIPT.format(
@@ -469,9 +473,7 @@ def submit_slurm(jobs: list, report, log: Callable[[str], None] = print) -> str:
 
     slurm.require_sbatch()
     os.makedirs(os.path.dirname(report.path), exist_ok=True)
-    with open(report.path, "w") as f:
-        f.write(report.script)
-    os.chmod(report.path, 0o755)
+    slurm.write_script(report.path, report.script)
     submitted = []
     try:
         for j in jobs:

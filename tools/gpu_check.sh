@@ -29,11 +29,18 @@
 # section's output), the DCP .metadata. Run dirs, data and compile caches live in a scratch folder removed at the end.
 # Test hooks: GPU_CHECK_SECTIONS=a,b (only those), GPU_CHECK_FAIL=name (that section fails at its start),
 # GPU_CHECK_HANG=name (it hangs until its limit), GPU_CHECK_LIMIT_<name>=seconds (another limit).
+# GPU_CHECK_BUDGET and GPU_CHECK_LIMIT_* must be whole seconds: anything else stops the script at once with one line
+# and exit 2, before it runs anything (bash arithmetic would abort on `1.5` or run the command in `x[$(cmd)]`).
 set -u
 MODE=gpu
 if [[ "${1:-}" == "--cpu" ]]; then MODE=cpu; elif [[ $# -gt 0 ]]; then
   echo "usage: tools/gpu_check.sh [--cpu]" >&2; exit 2
 fi
+for var in GPU_CHECK_BUDGET $(compgen -v GPU_CHECK_LIMIT_); do  # names only: compgen lists variable names
+  if [[ -n "${!var:-}" && ! ${!var} =~ ^[0-9]{1,6}$ ]]; then
+    printf 'tools/gpu_check.sh: %s=%q must be a whole number of seconds\n' "$var" "${!var:0:60}" >&2; exit 2
+  fi
+done
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 PY="${PYTHON:-python3}"
@@ -68,10 +75,10 @@ if [[ $MODE == cpu ]]; then
   # CUDA's autocast rules of the GPU machine's torch on the CPU (bf16; nagmoe/cuda_rules): every section's Trainer
   # meets the dtypes the GPU run will meet. NAGMOE_CUDA_RULES= (empty) runs plain fp32.
   export NAGMOE_CUDA_RULES="${NAGMOE_CUDA_RULES-2.11}"
-  BUDGET="${GPU_CHECK_BUDGET:-200}"
+  BUDGET=$((10#${GPU_CHECK_BUDGET:-200}))  # 10#: 08 is eight, not an octal error
   SECTIONS=(data:15 train_baseline:30 train_nag:25 train_nag_mod20:25 resume:35 mod_block:20 env:15 tests:20 dcp:15)
 else
-  BUDGET="${GPU_CHECK_BUDGET:-350}"  # + at most 5 s of a last kill and the summary: under 6 minutes
+  BUDGET=$((10#${GPU_CHECK_BUDGET:-350}))  # + at most 5 s of a last kill and the summary: under 6 minutes
   SECTIONS=(install:30 data:25 train_baseline:70 train_nag:45 train_nag_mod20:45 resume:35 mod_block:30 env:20
             tests:35 dcp:15)
 fi
@@ -86,7 +93,7 @@ FAILED=0
 run_section() {  # name, limit in seconds
   local name=$1 limit=$2
   local custom="GPU_CHECK_LIMIT_$name"
-  limit="${!custom:-$limit}"
+  limit=$((10#${!custom:-$limit}))  # checked at the start
   local left=$((BUDGET - SECONDS))
   if (( left < 5 )); then
     "${DRIVER[@]}" record "$name" --out "$RESULTS" --status timeout --seconds 0 --limit 0 \

@@ -55,11 +55,12 @@ def run(args) -> int:
     plans = exp.plan(args.runs_root, args.only, tuple(args.overrides or ()))
 
     if args.slurm:
+        from nagmoe.launch.slurm import require_sbatch, warn_job_environment
+
         opts = _slurm_options(args)
         if not args.dry_run:
-            from nagmoe.launch.slurm import require_sbatch
-
             require_sbatch()  # before anything is written
+        warn_job_environment()  # now, not only in the log of a preempted job
         jobs, report = ex.slurm_jobs(exp, plans, opts, args.runs_root, args.force)
         print(ex.describe_slurm(exp, plans, jobs, report, opts), flush=True)
         if args.dry_run:

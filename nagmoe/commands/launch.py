@@ -88,6 +88,7 @@ def run(args) -> int:
     if args.preflight:
         return _run_preflight(args, opts, cfg, run_dir, config_yaml)
     slurm.check_resume_config(run_dir, config_yaml, args.force)
+    slurm.warn_job_environment()  # now, not only in the log of a preempted job
     script = slurm.render_train_script(opts, run_dir, force=args.force)
     if args.dry_run:
         if not opts.cpu_mode:

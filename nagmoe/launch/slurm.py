@@ -13,6 +13,13 @@ gloo with the same template. Files, all on the shared file system:
 Data preparation (`launch/prepare_data.sbatch`, three jobs): the tokenizer, then the corpus slices as a job
 array (afterok), then the merge (afterok on the whole array); `--kill-on-invalid-dep` cancels what can no
 longer run when a step fails.
+
+Scripts take data, never code (issue 40): in the script body every path is `shlex.quote`d (never inside double
+quotes); in `#SBATCH` lines, which bash skips but sbatch parses itself (quotes group, `\\` escapes, `#` starts a
+comment, a line ends at a newline) and Slurm expands (`%j` in `--output`), partition, account, time and job name
+are one word of a safe alphabet, a path is double-quoted when it needs it with `%` doubled in `--output`, a
+control character or a backslash in a path is refused, and `--sbatch-arg` values may not hold a control character
+(docs/decisions.md, "Issue 40: job scripts").
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from typing import Optional
 
 import nagmoe
 from nagmoe.errors import UserError
+from nagmoe.safe_files import write_atomic
 from nagmoe.train.preemption import MARKER_FILE, REQUEST_FILE
 
 TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(nagmoe.__file__))), "launch")
@@ -34,6 +42,15 @@ TRAIN_TEMPLATE = "train.sbatch"
 PREPARE_TEMPLATE = "prepare_data.sbatch"
 SLURM_DIR = "slurm"  # inside the run dir: config, scripts, logs
 _PLACEHOLDER = re.compile(r"\{\{([A-Z_]+)\}\}")
+# One #SBATCH value needing no quoting: partition, account, time, job name. Wider values (paths) are quoted.
+_WORD = re.compile(r"[A-Za-z0-9_.+,:=@-]+")
+_NOT_WORD = re.compile(r"[^A-Za-z0-9_.+,:=@-]")
+_PLAIN_PATH = re.compile(r"[A-Za-z0-9_./%+,:=@~-]+")
+# C0, DEL, C1 and the Unicode line breaks: a newline ends a #SBATCH line and starts a shell line; CR and tab
+# split sbatch's words
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+POLL_ENV = "NAGMOE_REQUEUE_POLL_S"  # read by launch/train.sbatch's requeue block, with the same check
+_SECONDS = re.compile(r"[0-9]{1,6}")
 
 
 @dataclass
@@ -75,8 +92,15 @@ class SlurmOptions:
             raise UserError(f"--signal-seconds: {self.signal_seconds} must be >= 1")
         for name in ("partition", "time", "account", "job_name"):
             value = getattr(self, name)
-            if value is not None and (not value or re.search(r"\s", value)):
-                raise UserError(f"--{name.replace('_', '-')}: {value!r} must be one word")
+            if value is not None:
+                sbatch_word(value, f"--{name.replace('_', '-')}")
+        for arg in self.sbatch_args:
+            bad = _CONTROL.search(arg)
+            if bad:
+                raise UserError(f"--sbatch-arg: {shown(arg)} contains a control character ({bad.group()!r}); "
+                                "each value is one #SBATCH line")
+            if not arg.startswith("-"):
+                raise UserError(f"--sbatch-arg: {shown(arg)} is not an sbatch option (e.g. --exclusive)")
         return self
 
 
@@ -100,16 +124,69 @@ def fill(template: str, values: dict) -> str:
     return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)
 
 
-def _one_word_path(path: str, what: str) -> str:
-    if re.search(r"\s", path):  # #SBATCH lines cannot quote
-        raise UserError(f"{what}: {path!r} contains whitespace; Slurm's #SBATCH options cannot quote it")
+def shown(value: str) -> str:
+    """A user's value in a message: repr, at most 60 characters of it."""
+    return repr(value[:60]) + ("..." if len(value) > 60 else "")
+
+
+def sbatch_word(value: str, what: str) -> str:
+    if not _WORD.fullmatch(value):
+        raise UserError(f"{what}: {shown(value)} must be one word of letters, digits and . _ + , : = @ - "
+                        "(it goes into a #SBATCH line)")
+    return value
+
+
+def job_name_from(text: str) -> str:
+    """A default job name made of a path's name: the characters outside the #SBATCH word alphabet become `_`."""
+    return _NOT_WORD.sub("_", text)
+
+
+def check_sbatch_path(path: str, what: str) -> str:
+    """`path` if a #SBATCH line can carry it (`sbatch_path_value`); UserError naming `what` otherwise."""
+    bad = _CONTROL.search(path)
+    if bad:
+        raise UserError(f"{what}: {shown(path)} contains a control character ({bad.group()!r}); a #SBATCH line "
+                        "cannot carry it (a newline would start a shell line)")
+    if "\\" in path:  # sbatch's escape character, and Slurm drops every `%` pattern of a log name holding one
+        raise UserError(f"{what}: {shown(path)} contains a backslash, which sbatch and Slurm's log-name patterns "
+                        "read as an escape; use a path without one")
     return path
 
 
-def sbatch_lines(opts: SlurmOptions, job_name: str, output: str, *, nodes: int = 1, gpus: int = 0,
-                 cpus_per_task: Optional[int] = None, array: Optional[str] = None, preemptible: bool = False,
-                 extra: tuple = ()) -> str:
-    lines = [f"--job-name={job_name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
+def sbatch_path_value(path: str, pattern: bool = False) -> str:
+    """A checked path as the value of a #SBATCH option: `%` doubled where Slurm expands patterns (`--output`:
+    `%j` is ours, a `%` of the path is literal), double-quoted with `\\"` for a quote when it holds anything
+    but plain characters (sbatch groups a quoted word and takes `'`, `#`, `$`, spaces literally inside it)."""
+    value = path.replace("%", "%%") if pattern else path
+    return value if _PLAIN_PATH.fullmatch(value) else '"' + value.replace('"', '\\"') + '"'
+
+
+def requeue_poll_problem(env=None) -> Optional[str]:
+    """The warning for an invalid NAGMOE_REQUEUE_POLL_S in this environment (sbatch's default --export=ALL
+    carries it into the job, whose requeue block then uses 60 s), or None."""
+    value = (os.environ if env is None else env).get(POLL_ENV)
+    if not value or _SECONDS.fullmatch(value):
+        return None
+    return (f"[nagmoe] WARNING: {POLL_ENV}={shown(value)} is not a whole number of seconds (0-999999); a "
+            "preempted job will wait the default 60 s for summary.json before requeueing")
+
+
+def warn_job_environment() -> None:
+    """Before rendering: say now what a preempted job would otherwise only say in its log."""
+    problem = requeue_poll_problem()
+    if problem:
+        print(problem, file=sys.stderr)
+
+
+def sbatch_lines(opts: SlurmOptions, job_name: str, log_dir: str, log_name: str, *, log_dir_what: str,
+                 nodes: int = 1, gpus: int = 0, cpus_per_task: Optional[int] = None, array: Optional[str] = None,
+                 preemptible: bool = False, extra: tuple = ()) -> str:
+    """The #SBATCH block. The log goes to LOG_DIR/LOG_NAME (LOG_NAME: our own `%` pattern, e.g. slurm-%j.out);
+    LOG_DIR (from `log_dir_what`) and the working directory are checked and quoted here, for every job."""
+    output = sbatch_path_value(os.path.join(check_sbatch_path(log_dir, log_dir_what), "").replace("%", "%%")
+                               + log_name)
+    chdir = sbatch_path_value(check_sbatch_path(os.getcwd(), "working directory (run from another one)"))
+    lines = [f"--job-name={sbatch_word(job_name, 'job name')}", f"--nodes={nodes}", "--ntasks-per-node=1"]
     if gpus:
         lines.append(f"--gpus-per-node={gpus}")
     if cpus_per_task:
@@ -119,7 +196,7 @@ def sbatch_lines(opts: SlurmOptions, job_name: str, output: str, *, nodes: int =
             lines.append(f"--{name}={getattr(opts, name)}")
     if array:
         lines.append(f"--array={array}")
-    lines += [f"--output={output}", "--open-mode=append", f"--chdir={_one_word_path(os.getcwd(), 'working dir')}"]
+    lines += [f"--output={output}", "--open-mode=append", f"--chdir={chdir}"]
     if preemptible:
         lines += ["--requeue", f"--signal=B:USR1@{opts.signal_seconds}"]
     lines += list(extra) + list(opts.sbatch_args)
@@ -134,8 +211,8 @@ def torchrun_path() -> str:
 
 def render_train_script(opts: SlurmOptions, run_dir: str, force: bool = False) -> str:
     opts.validate()
-    run_dir = _one_word_path(os.path.abspath(run_dir), "--run-dir")
-    job_name = opts.job_name or f"nagmoe-{os.path.basename(run_dir)}"
+    run_dir = os.path.abspath(run_dir)
+    job_name = opts.job_name or job_name_from(f"nagmoe-{os.path.basename(run_dir)}")
     threads = max(1, (opts.cpus_per_task or opts.procs_per_node) // opts.procs_per_node)
     # GPU nodes whole unless the CPUs are given: the cluster default (often 1 CPU per task) would pin all of
     # a node's ranks and their data loading to one core
@@ -143,9 +220,9 @@ def render_train_script(opts: SlurmOptions, run_dir: str, force: bool = False) -
     mode = (f"# CPU mode: {opts.procs_per_node} gloo rank(s) per node on CPUs (train.device=cpu)" if opts.cpu_mode
             else f"# GPU mode: one NCCL rank per GPU, {opts.gpus_per_node} per node")
     return fill(read_template(TRAIN_TEMPLATE), {
-        "SBATCH_LINES": sbatch_lines(opts, job_name, os.path.join(run_dir, SLURM_DIR, "slurm-%j.out"),
-                                     nodes=opts.nodes, gpus=opts.gpus_per_node, cpus_per_task=opts.cpus_per_task,
-                                     preemptible=True, extra=whole_node),
+        "SBATCH_LINES": sbatch_lines(opts, job_name, os.path.join(run_dir, SLURM_DIR), "slurm-%j.out",
+                                     log_dir_what="--run-dir", nodes=opts.nodes, gpus=opts.gpus_per_node,
+                                     cpus_per_task=opts.cpus_per_task, preemptible=True, extra=whole_node),
         "RUN_DIR": shlex.quote(run_dir), "TORCHRUN": shlex.quote(torchrun_path()),
         "PROCS_PER_NODE": opts.procs_per_node, "THREADS_PER_PROC": threads,
         "REQUEST_FILE": REQUEST_FILE, "MARKER_FILE": MARKER_FILE,
@@ -162,16 +239,16 @@ def render_preflight_script(opts: SlurmOptions, run_dir: str, steps: int = 3,
     """The preflight job of this layout (nagmoe/train/preflight.py): in RUN_DIR/preflight, never touching the
     run's own checkpoints."""
     opts.validate()
-    directory = _one_word_path(os.path.join(os.path.abspath(run_dir), PREFLIGHT_DIR), "--run-dir")
+    directory = os.path.join(os.path.abspath(run_dir), PREFLIGHT_DIR)
     threads = max(1, (opts.cpus_per_task or opts.procs_per_node) // opts.procs_per_node)
     whole_node = ("--exclusive",) if not opts.cpu_mode and opts.cpus_per_task is None else ()
     mode = (f"# CPU mode: {opts.procs_per_node} gloo rank(s) per node on CPUs (train.device=cpu)" if opts.cpu_mode
             else f"# GPU mode: one NCCL rank per GPU, {opts.gpus_per_node} per node")
-    job_name = f"{opts.job_name or 'nagmoe-' + os.path.basename(os.path.abspath(run_dir))}-preflight"
+    job_name = f"{opts.job_name or job_name_from('nagmoe-' + os.path.basename(os.path.abspath(run_dir)))}-preflight"
     return fill(read_template(PREFLIGHT_TEMPLATE), {
-        "SBATCH_LINES": sbatch_lines(opts, job_name, os.path.join(directory, SLURM_DIR, "slurm-%j.out"),
-                                     nodes=opts.nodes, gpus=opts.gpus_per_node, cpus_per_task=opts.cpus_per_task,
-                                     extra=whole_node),
+        "SBATCH_LINES": sbatch_lines(opts, job_name, os.path.join(directory, SLURM_DIR), "slurm-%j.out",
+                                     log_dir_what="--run-dir", nodes=opts.nodes, gpus=opts.gpus_per_node,
+                                     cpus_per_task=opts.cpus_per_task, extra=whole_node),
         "DIR": shlex.quote(directory), "TORCHRUN": shlex.quote(torchrun_path()),
         "PROCS_PER_NODE": opts.procs_per_node, "THREADS_PER_PROC": threads, "MODE_LINE": mode, "STEPS": steps,
         "GPU_MEMORY": f" --gpu-memory {gpu_memory_gb:g}" if gpu_memory_gb and opts.cpu_mode else "",
@@ -181,9 +258,10 @@ def render_preflight_script(opts: SlurmOptions, run_dir: str, steps: int = 3,
 def render_prepare_scripts(opts: SlurmOptions, launch_dir: str, num_slices: int,
                            with_tokenizer: bool = True) -> dict:
     """{step: script text} for the data-preparation jobs (tokenizer only `with_tokenizer`)."""
-    launch_dir = _one_word_path(os.path.abspath(launch_dir), "--run-dir")
+    opts.validate()
+    launch_dir = os.path.abspath(launch_dir)
     config = shlex.quote(os.path.join(launch_dir, SLURM_DIR, "config.yaml"))
-    base = opts.job_name or f"nagmoe-prep-{os.path.basename(launch_dir)}"
+    base = opts.job_name or job_name_from(f"nagmoe-prep-{os.path.basename(launch_dir)}")
     logs = os.path.join(launch_dir, SLURM_DIR)
     steps = {
         "tokenizer": ("--tokenizer-only", None, "slurm-%j.out"),
@@ -196,7 +274,7 @@ def render_prepare_scripts(opts: SlurmOptions, launch_dir: str, num_slices: int,
         if step == "tokenizer" and not with_tokenizer:
             continue
         out[step] = fill(template, {
-            "SBATCH_LINES": sbatch_lines(opts, f"{base}-{step}", os.path.join(logs, log),
+            "SBATCH_LINES": sbatch_lines(opts, f"{base}-{step}", logs, log, log_dir_what="--run-dir",
                                          cpus_per_task=opts.cpus_per_task, array=array,
                                          extra=("--kill-on-invalid-dep=yes",)),
             "STEP": step, "PYTHON": shlex.quote(sys.executable), "CONFIG": config, "PREPARE_ARGS": args,
@@ -225,19 +303,22 @@ def check_resume_config(run_dir: str, config_yaml: str, force: bool) -> None:
                         f"{' ...' if len(diffs) > 3 else ''}); use another --run-dir or pass --force")
 
 
+def write_script(path: str, text: str) -> None:
+    """A job script through the safe writer (nagmoe/safe_files.py). Created 0o777 minus the umask (0755, or 0750
+    under umask 027): executable from its creation, so no chmod of a path that a planted link could redirect
+    (sbatch itself needs no execute bit)."""
+    write_atomic(path, text, durable=True, mode=0o777)
+
+
 def write_files(directory: str, config_yaml: str, scripts: dict) -> dict:
     """Write DIR/slurm/config.yaml and DIR/slurm/<name> for each script; returns {name: path}."""
     folder = os.path.join(os.path.abspath(directory), SLURM_DIR)
     os.makedirs(folder, exist_ok=True)
-    paths = {}
-    for name, text in {"config.yaml": config_yaml, **scripts}.items():
-        path = os.path.join(folder, name)
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
-        if name.endswith(".sbatch"):
-            os.chmod(path, 0o755)
-        paths[name] = path
+    paths = {"config.yaml": os.path.join(folder, "config.yaml")}
+    write_atomic(paths["config.yaml"], config_yaml, durable=True)  # what every restart trains
+    for name, text in scripts.items():
+        paths[name] = os.path.join(folder, name)
+        write_script(paths[name], text)
     return paths
 
 

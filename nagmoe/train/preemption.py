@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Callable, NoReturn, Optional
 
+from nagmoe.safe_files import atomic_writer, write_atomic
+
 REQUEST_FILE = "preempt.request"
 MARKER_FILE = "preempted.json"
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): stopped on purpose with a checkpoint; run again to continue
@@ -88,11 +90,16 @@ def read_marker(run_dir: str) -> Optional[dict]:
 
 def request_stop(run_dir: str, reason: str = "request") -> str:
     """Ask a trainer running in `run_dir` to checkpoint and stop at its next step boundary (what the batch
-    script's trap does with `echo > FILE`). Returns the request file's path."""
+    script's trap does with `mktemp` + `mv`). Returns the request file's path."""
     path = os.path.join(run_dir, REQUEST_FILE)
-    with open(path, "w") as f:
-        f.write(f"{reason} {time.time():.0f}\n")
+    write_atomic(path, f"{reason} {time.time():.0f}\n")  # a fresh temporary: never through a planted link
     return path
+
+
+def _restart_count() -> Optional[int]:
+    """SLURM_RESTART_COUNT as a number (None when it is not one): the marker must not fail on the environment."""
+    value = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return int(value) if value.isascii() and value.isdigit() else None
 
 
 MARKER_DELAY_ENV = "NAGMOE_TEST_MARKER_DELAY_S"
@@ -155,11 +162,9 @@ class PreemptionWatch:
             marker = {"step": step, "checkpoint": path, "reason": self.local_reason() or "another rank",
                       "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                       "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-                      "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0"))}
-            tmp = self.marker_path + ".tmp"
-            with open(tmp, "w") as f:
+                      "slurm_restart_count": _restart_count()}
+            with atomic_writer(self.marker_path, durable=True) as f:  # read by the batch script, maybe elsewhere
                 json.dump(marker, f, indent=1)
-            os.replace(tmp, self.marker_path)
             _remove_quietly(self.request_path)
         if _distributed():
             import torch.distributed as dist
