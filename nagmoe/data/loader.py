@@ -46,17 +46,13 @@ def check_data_vocab(data_dir: str, vocab_size: int) -> None:
 
 
 class TokenShards:
-    """The memmapped shards of one split, checked at open (sizes always, sha256 when verify)."""
+    """The memmapped shards of one split, checked at open (sizes always; sha256 and ids < vocab when verify) and
+    every batch's ids again in `gather`."""
 
     def __init__(self, data_dir: str, split: str, verify: bool = True):
         self.data_dir, self.split = data_dir, split
-        self.index = shards.read_index(data_dir)
-        self.records = shards.split_records(self.index, split, os.path.join(data_dir, shards.INDEX))
-        self.arrays = []
-        for rec in self.records:
-            path = os.path.join(data_dir, rec["file"])
-            shards.verify_shard(path, rec, checksum=verify)
-            self.arrays.append(np.memmap(path, dtype=rec["dtype"], mode="r"))
+        # index checked as a schema, each shard opened once (no symlink), sized, hashed and id-checked (verify)
+        self.index, self.records, self.arrays = shards.open_split(data_dir, split, verify=verify)
         self.vocab_size: int = self.index["vocab_size"]
         self.bos_id: int = self.index["bos_id"]
         self.n_tokens = sum(len(a) for a in self.arrays)
@@ -75,11 +71,14 @@ class TokenShards:
         for i, (w, s) in enumerate(zip(window_ids.tolist(), shard_of.tolist())):
             start = (w - int(offsets[s])) * seq_len
             rows[i] = self.arrays[s][start:start + seq_len + 1]
-        if rows.size and int(rows.max()) >= self.vocab_size:  # cheap; an id past the table would crash the model
-            bad = int(shard_of[int(np.argmax(rows.max(axis=1)))])
-            raise UserError(f"{os.path.join(self.data_dir, self.records[bad]['file'])}: token id "
-                            f"{int(rows.max())} >= vocab_size {self.vocab_size} of {shards.INDEX} (shard "
-                            "written with another tokenizer, or corrupted; re-run prepare-data)")
+        # cheap, and before any model sees them: an id outside the table would crash it (a device assert on CUDA)
+        if rows.size and (int(rows.max()) >= self.vocab_size or int(rows.min()) < 0):
+            bad = (rows >= self.vocab_size) | (rows < 0)
+            row = int(np.argmax(bad.any(axis=1)))
+            ids = rows[row][bad[row]]
+            token = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
+            path = os.path.join(self.data_dir, self.records[int(shard_of[row])]["file"])
+            raise UserError(shards.id_error(path, token, self.vocab_size))
         return rows
 
 

@@ -1,7 +1,7 @@
 """`nagmoe prepare-data`: corpus -> tokenizer -> packed token shards (format in `nagmoe.data.shards`).
 
-Single pass (default): train or load the tokenizer, tokenise every document, commit — all staged in
-`data_dir/.prepare-<pid>/` and removed afterwards, so a failure leaves the previous preparation intact.
+Single pass (default): train or load the tokenizer, tokenise every document, commit — all staged in a fresh
+`data_dir/.prepare-<random>/` and removed afterwards, so a failure leaves the previous preparation intact.
 
 Sharded preparation for corpora too large for one process (a SLURM job array):
 
@@ -11,7 +11,7 @@ Sharded preparation for corpora too large for one process (a SLURM job array):
 
 Step 1 is skipped when `data.tokenizer` names an existing tokenizer.json (slices then use it directly).
 Slice i of N tokenises a contiguous run of input files (`corpus.slice_range`) into
-`data_dir/parts/part-0000i-of-000N/` (written under a temp name, renamed when complete, so a re-run
+`data_dir/parts/part-0000i-of-000N/` (written in a fresh temporary folder, renamed when complete, so a re-run
 array task replaces only its own part). `--merge` checks that all N parts exist, agree (tokenizer sha,
 settings) and match their checksums, then hard-links (or renames) their shards into place in slice order:
 the result equals a single pass token for token. The single pass is literally slice 0 of 1 followed by the merge.
@@ -32,6 +32,7 @@ from nagmoe.data.corpus import Corpus, check_slicing, is_val_document, iter_docu
 from nagmoe.data.tokenizer import (bos_id, check_vocab, encode_documents, file_sha256, load_tokenizer,
                                    save_tokenizer, token_dtype, train_bpe)
 from nagmoe.errors import UserError
+from nagmoe.safe_files import make_temp_dir
 
 STAGE = "parts"
 TOKENIZER_CHARS = 2_000_000_000  # BPE training reads at most this many characters of train documents
@@ -43,6 +44,14 @@ def _progress(iterable, desc: str, unit: str):
 
     return tqdm(iterable, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
                 mininterval=0.5 if sys.stderr.isatty() else 30.0)
+
+
+def _remove(path: str) -> None:
+    """Whatever is at `path`, without following a symlink there (rmtree refuses one: unlink it)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
 
 
 def _check_data_dir(data_dir: str) -> None:
@@ -148,9 +157,8 @@ def prepare_slice(cfg, tokenizer_path: str, stage_dir: str, slice_index: int = 0
     bos = bos_id(tok, tokenizer_path)
     dtype = token_dtype(cfg.model.vocab_size)
     final = os.path.join(stage_dir, shards.part_dir_name(slice_index, num_slices))
-    tmp = f"{final}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    os.makedirs(stage_dir, exist_ok=True)
+    tmp = make_temp_dir(stage_dir, f".{os.path.basename(final)}.tmp-")  # fresh, ours: nothing planted inside
     try:
         writers = {s: shards.ShardWriter(tmp, s, dtype, d.shard_tokens) for s in shards.SPLITS}
         with _progress(iter_documents(corpus, slice_index, num_slices),
@@ -169,7 +177,7 @@ def prepare_slice(cfg, tokenizer_path: str, stage_dir: str, slice_index: int = 0
                            for s in shards.SPLITS},
                 "shards": records}
         shards.write_json_atomic(os.path.join(tmp, shards.PART_INDEX), part)
-        shutil.rmtree(final, ignore_errors=True)  # an earlier run of this same slice
+        _remove(final)  # an earlier run of this same slice (a link planted there is removed, not followed)
         os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -185,9 +193,8 @@ def stage_tokenizer_path(cfg) -> str:
 
 def prepare_single(cfg, max_chars: int = TOKENIZER_CHARS) -> dict:
     _check_data_dir(cfg.data.data_dir)
-    stage = os.path.join(cfg.data.data_dir, f".prepare-{os.getpid()}")
+    stage = make_temp_dir(cfg.data.data_dir, ".prepare-")  # fresh, ours (a planted `.prepare-<pid>` is not)
     try:
-        os.makedirs(stage, exist_ok=True)
         if cfg.data.tokenizer:
             tok_path = check_given_tokenizer(cfg)
         else:

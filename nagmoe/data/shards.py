@@ -18,50 +18,143 @@ index.json: {"format", "vocab_size", "dtype", "bos_id", "tokenizer": "tokenizer.
 "corpus", "documents", "val_fraction", "totals": {split: {"n_tokens", "n_documents", "n_shards"}},
 "shards": [{"file", "split", "dtype", "n_tokens", "n_documents", "sha256"}, ...]} (shards in stream order).
 
-Crash safety: every file is written under a temporary name and renamed (committed shards are hard links
-to the staged ones until index.json is written, so a failed commit can be re-run); shard names carry the
-first 12 hex digits of their sha256, so committing new shards never overwrites a shard the old index.json refers to
-(unless its content is identical); index.json is replaced last; only then are shards no index refers to
-deleted. A failure at any point leaves the previous preparation readable.
+Crash safety: every file is written under a fresh temporary name and renamed (nagmoe.safe_files; committed
+shards are hard links to the staged ones until index.json is written, so a failed commit can be re-run); shard
+names carry the first 12 hex digits of their sha256, so committing new shards never overwrites a shard the old
+index.json refers to (unless its content is identical); index.json is replaced last; only then are shards no index
+refers to deleted. A failure at any point leaves the previous preparation readable.
+
+Trust (issue 40): index.json and part.json may come from someone else, so they are schemas (`check_index`): every
+field the code uses is type-checked before use, each shard `file` must be a name this writer produces (so no
+`../x`, `/abs/x`, `sub/x`), `dtype` must be the one `vocab_size` implies (unsigned: no negative ids, no NaN).
+Shards are opened without following a symlink, sized against the record, hashed and range-checked
+(`0 <= id < vocab_size`) through the same descriptor that is then memory-mapped (`open_shard`).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
-import shutil
+import stat
 from typing import Optional
 
 import numpy as np
 
+from nagmoe.data.tokenizer import read_tokenizer_bytes, token_dtype
 from nagmoe.errors import UserError
+from nagmoe.safe_files import _create_fresh, atomic_writer, temp_name, write_atomic
 
 FORMAT = "nagmoe-tokens-v1"
 SPLITS = ("train", "val")
 INDEX = "index.json"
 PART_INDEX = "part.json"
-SHARD_NAME = re.compile(r"^(train|val)-\d{5}-[0-9a-f]{12}\.bin$")
+TOKENIZER = "tokenizer.json"
+# the names ShardWriter and merge_parts write (ASCII digits; fullmatch, so no trailing newline either)
+SHARD_NAME = re.compile(r"(train|val)-[0-9]{5}-[0-9a-f]{12}\.bin")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 def write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    with atomic_writer(path, durable=True) as f:
         json.dump(obj, f, indent=1)
         f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_json(path: str, what: str) -> dict:
     if not os.path.isfile(path):
         raise UserError(f"{what} not found: {path}")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: unreadable {what} ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, a 5000-digit number
+        raise UserError(f"{path}: unreadable {what} ({str(e)[:120]})") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Index schema (index.json and part.json)
+# ----------------------------------------------------------------------------------------------------------
+def show(value, limit: int = 60) -> str:
+    """A value echoed in a message: its repr, cut to `limit` characters."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _int(obj: dict, key: str, where: str, lo: int = 0, hi: Optional[int] = None) -> int:
+    """obj[key] as an integer in [lo, hi) (a JSON true is not an integer here)."""
+    v = obj.get(key)
+    if type(v) is not int:
+        raise UserError(f"{where}: '{key}' must be an integer, got {show(v)}" if key in obj else
+                        f"{where}: no '{key}'")
+    if v < lo or (hi is not None and v >= hi):
+        raise UserError(f"{where}: '{key}' = {v} must be >= {lo}" + ("" if hi is None else f" and < {hi}"))
+    return v
+
+
+def _obj(v, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(v).__name__}")
+    return v
+
+
+def check_index(obj, path: str, part: bool = False) -> dict:
+    """`obj` (read from index.json, or part.json when `part`) checked field by field; a UserError names the file
+    and the field. Returns `obj`."""
+    _obj(obj, path)
+    if obj.get("format") != FORMAT:
+        raise UserError(f"{path}: unknown format {show(obj.get('format'))} (expected {FORMAT})")
+    vocab = _int(obj, "vocab_size", path, 1, (1 << 32) + 1)
+    dtype = token_dtype(vocab).name
+    if obj.get("dtype") != dtype:
+        raise UserError(f"{path}: 'dtype' {show(obj.get('dtype'))} is not {dtype!r}, the dtype of vocab_size {vocab}")
+    _int(obj, "bos_id", path, 0, vocab)
+    if not isinstance(obj.get("tokenizer_sha256"), str) or not _SHA256.fullmatch(obj["tokenizer_sha256"]):
+        raise UserError(f"{path}: 'tokenizer_sha256' must be 64 hex digits, got {show(obj.get('tokenizer_sha256'))}")
+    if part:
+        for key in ("corpus", "documents", "text_field"):
+            if not isinstance(obj.get(key), str):
+                raise UserError(f"{path}: '{key}' must be a string, got {show(obj.get(key))}")
+        vf = obj.get("val_fraction")
+        if type(vf) not in (int, float):
+            raise UserError(f"{path}: 'val_fraction' must be a number, got {show(vf)}")
+    elif obj.get("tokenizer") != TOKENIZER:  # the data dir's own tokenizer, never another path
+        raise UserError(f"{path}: 'tokenizer' must be {TOKENIZER!r}, got {show(obj.get('tokenizer'))}")
+    totals = _obj(obj.get("totals"), f"{path}: 'totals'")
+    for s in SPLITS:
+        t = _obj(totals.get(s), f"{path}: 'totals.{s}'")
+        for key in ("n_tokens", "n_documents") + (("n_shards",) if "n_shards" in t else ()):
+            _int(t, key, f"{path}: totals.{s}")
+    records = obj.get("shards")
+    if not isinstance(records, list):
+        raise UserError(f"{path}: 'shards' must be a list, got {show(records)}" if "shards" in obj else
+                        f"{path}: no 'shards'")
+    for i, rec in enumerate(records):
+        where = f"{path}: shards[{i}]"
+        _obj(rec, where)
+        name = rec.get("file")
+        if not isinstance(name, str) or not SHARD_NAME.fullmatch(name):
+            raise UserError(f"{where}.file {show(name)} is not a shard name of this format "
+                            "(train|val-NNNNN-<12 hex>.bin, inside the folder)")
+        if rec.get("split") not in SPLITS or not name.startswith(f"{rec['split']}-"):
+            raise UserError(f"{where}.split {show(rec.get('split'))} is not the split of {name} ({'/'.join(SPLITS)})")
+        if rec.get("dtype") != dtype:
+            raise UserError(f"{where}.dtype {show(rec.get('dtype'))} is not {dtype!r}, the dtype of vocab_size {vocab}")
+        _int(rec, "n_tokens", where)
+        _int(rec, "n_documents", where)
+        if not isinstance(rec.get("sha256"), str) or not _SHA256.fullmatch(rec["sha256"]):
+            raise UserError(f"{where}.sha256 must be 64 hex digits, got {show(rec.get('sha256'))}")
+    return obj
+
+
+def _fresh_file(path: str):
+    fd, tmp = _create_fresh(path, 0o666)
+    return os.fdopen(fd, "wb"), tmp
 
 
 class ShardWriter:
@@ -75,8 +168,8 @@ class ShardWriter:
         self._file = None
 
     def _open(self):
-        self._tmp = os.path.join(self.out_dir, f"{self.split}-{len(self.records):05d}.bin.tmp")
-        self._file = open(self._tmp, "wb")
+        # a fresh O_EXCL|O_NOFOLLOW temporary (nagmoe.safe_files): the name is known only once the hash is
+        self._file, self._tmp = _fresh_file(os.path.join(self.out_dir, f"{self.split}-{len(self.records):05d}.bin"))
         self._sha = hashlib.sha256()
         self._in_shard = 0
         self._docs_in_shard = 0
@@ -119,29 +212,67 @@ class ShardWriter:
 # ----------------------------------------------------------------------------------------------------------
 # Verification
 # ----------------------------------------------------------------------------------------------------------
-def verify_shard(path: str, record: dict, checksum: bool = True) -> None:
-    """Size always; sha256 when `checksum`. A wrong file is a UserError naming it."""
-    if not os.path.isfile(path):
-        raise UserError(f"missing token shard: {path}")
-    expected = record["n_tokens"] * np.dtype(record["dtype"]).itemsize
-    size = os.path.getsize(path)
-    if size != expected:
-        raise UserError(f"token shard has the wrong size: {path} ({size} bytes, index says {expected})")
-    if checksum:
-        from nagmoe.data.tokenizer import file_sha256
+def _open_regular(path: str) -> int:
+    """A read descriptor on `path` itself: a symlink, a FIFO or a device there is a UserError naming it."""
+    try:
+        fd = os.open(path, _READ)
+    except FileNotFoundError:
+        raise UserError(f"missing token shard: {path}") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{path}: token shard is a symbolic link; nagmoe reads only the files it wrote") from None
+        raise UserError(f"{path}: unreadable token shard ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"{path}: token shard is not a regular file")
+    return fd
 
-        if file_sha256(path) != record["sha256"]:
-            raise UserError(f"token shard has a wrong checksum: {path} (re-run nagmoe prepare-data)")
+
+def _check_contents(f, path: str, record: dict, vocab: int, chunk: int = 1 << 22) -> None:
+    """sha256 and the id range in one pass (the range costs a fraction of the hash)."""
+    h, dtype, top = hashlib.sha256(), np.dtype(record["dtype"]), 0
+    while block := f.read(chunk):  # chunk is a multiple of the item size; the size was checked
+        h.update(block)
+        top = max(top, int(np.frombuffer(block, dtype).max()))
+    if h.hexdigest() != record["sha256"]:
+        raise UserError(f"token shard has a wrong checksum: {path} (re-run nagmoe prepare-data)")
+    if top >= vocab:  # unsigned dtypes (check_index): no id is below 0
+        raise UserError(id_error(path, top, vocab))
+
+
+def id_error(path: str, token: int, vocab: int) -> str:
+    return (f"{path}: token id {token} >= vocab_size {vocab} of {INDEX} (shard written with another tokenizer, "
+            "or corrupted; re-run prepare-data)") if token >= 0 else \
+        f"{path}: token id {token} < 0 (corrupted shard; re-run prepare-data)"
+
+
+def open_shard(path: str, record: dict, vocab: int, checksum: bool = True) -> tuple[np.ndarray, os.stat_result]:
+    """The shard at `path` (a record of a checked index), memory-mapped read-only, and its stat: the file itself
+    (never through a symlink), its size always, its sha256 and ids `< vocab` when `checksum`, all through one
+    descriptor. A wrong file is a UserError naming it."""
+    fd = _open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        expected = record["n_tokens"] * np.dtype(record["dtype"]).itemsize
+        if st.st_size != expected:
+            raise UserError(f"token shard has the wrong size: {path} ({st.st_size} bytes, index says {expected})")
+        if checksum:
+            _check_contents(f, path, record, vocab)
+        if not expected:  # mmap refuses an empty file
+            return np.empty(0, dtype=record["dtype"]), st
+        return np.memmap(f, dtype=record["dtype"], mode="r"), st
+
+
+def verify_shard(path: str, record: dict, vocab: int, checksum: bool = True) -> os.stat_result:
+    """`open_shard` without keeping the map: its stat (the inode merge_parts then links)."""
+    return open_shard(path, record, vocab, checksum)[1]
 
 
 def read_index(data_dir: str) -> dict:
     path = os.path.join(data_dir, INDEX)
     if not os.path.isfile(path):
         raise UserError(f"no prepared data: {path} not found (run nagmoe prepare-data)")
-    index = read_json(path, "token index")
-    if index.get("format") != FORMAT:
-        raise UserError(f"{path}: unknown format {index.get('format')!r} (expected {FORMAT})")
-    return index
+    return check_index(read_json(path, "token index"), path)
 
 
 def split_records(index: dict, split: str, where: str = "index.json") -> list[dict]:
@@ -153,6 +284,16 @@ def split_records(index: dict, split: str, where: str = "index.json") -> list[di
     return records
 
 
+def open_split(data_dir: str, split: str, verify: bool = True,
+               index: Optional[dict] = None) -> tuple[dict, list[dict], list[np.ndarray]]:
+    """(index, records, arrays) of one split: every reader of shards (loader, unigram baseline) opens them here.
+    The joins are safe: check_index allows only this writer's plain file names."""
+    index = read_index(data_dir) if index is None else index
+    records = split_records(index, split, os.path.join(data_dir, INDEX))
+    arrays = [open_shard(os.path.join(data_dir, r["file"]), r, index["vocab_size"], verify)[0] for r in records]
+    return index, records, arrays
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Parts and merge
 # ----------------------------------------------------------------------------------------------------------
@@ -162,11 +303,13 @@ def part_dir_name(slice_index: int, num_slices: int) -> str:
 
 def find_parts(stage_dir: str, num_slices: Optional[int]) -> tuple[int, list[str]]:
     """The complete set of part folders (in slice order); any gap is a UserError naming the missing part."""
-    pattern = re.compile(r"^part-(\d{5})-of-(\d{5})$")
+    pattern = re.compile(r"part-([0-9]{5})-of-([0-9]{5})")
     found = {}
     if os.path.isdir(stage_dir):
         for name in os.listdir(stage_dir):
-            m = pattern.match(name)
+            m = pattern.fullmatch(name)
+            if m and os.path.islink(os.path.join(stage_dir, name)):  # the writer renames a real folder there
+                raise UserError(f"{os.path.join(stage_dir, name)}: a part folder is a symbolic link; re-run that slice")
             if m:
                 found.setdefault(int(m.group(2)), {})[int(m.group(1))] = os.path.join(stage_dir, name)
     if num_slices is None:
@@ -189,67 +332,83 @@ _SHARED_KEYS = ("format", "vocab_size", "dtype", "bos_id", "tokenizer_sha256", "
 
 def merge_parts(data_dir: str, part_dirs: list[str], tokenizer_path: str, verify: bool = True) -> dict:
     """Check the parts, then commit them into data_dir in slice order (see the module docstring)."""
-    from nagmoe.data.tokenizer import file_sha256
-
-    parts = [read_json(os.path.join(d, PART_INDEX), "part index") for d in part_dirs]
+    parts = [check_index(read_json(os.path.join(d, PART_INDEX), "part index"), os.path.join(d, PART_INDEX), part=True)
+             for d in part_dirs]
     for d, p in zip(part_dirs, parts):
         for key in _SHARED_KEYS:
             if p.get(key) != parts[0].get(key):
-                raise UserError(f"{os.path.join(d, PART_INDEX)}: {key}={p.get(key)!r} differs from part 0's "
-                                f"{parts[0].get(key)!r}; re-run that slice")
-    tok_sha = file_sha256(tokenizer_path)
-    if tok_sha != parts[0]["tokenizer_sha256"]:
+                raise UserError(f"{os.path.join(d, PART_INDEX)}: {key}={show(p.get(key))} differs from part 0's "
+                                f"{show(parts[0].get(key))}; re-run that slice")
+    tokenizer = read_tokenizer_bytes(tokenizer_path)  # read once: the bytes hashed are the bytes copied
+    if hashlib.sha256(tokenizer).hexdigest() != parts[0]["tokenizer_sha256"]:
         raise UserError(f"{tokenizer_path}: not the tokenizer the parts were made with (sha256 differs)")
-    for d, p in zip(part_dirs, parts):
-        for rec in p["shards"]:
-            verify_shard(os.path.join(d, rec["file"]), rec, checksum=verify)
+    vocab = parts[0]["vocab_size"]
+    stats = [[verify_shard(os.path.join(d, rec["file"]), rec, vocab, checksum=verify) for rec in p["shards"]]
+             for d, p in zip(part_dirs, parts)]
     totals = {s: {"n_tokens": sum(p["totals"][s]["n_tokens"] for p in parts),
                   "n_documents": sum(p["totals"][s]["n_documents"] for p in parts)} for s in SPLITS}
     if totals["train"]["n_documents"] == 0 and totals["val"]["n_documents"] == 0:
-        raise UserError(f"empty corpus: no text in data.corpus={parts[0]['corpus']}")
+        raise UserError(f"empty corpus: no text in data.corpus={_cut(parts[0]['corpus'])}")
     for s in SPLITS:
         if totals[s]["n_documents"] == 0:
             n = totals["train"]["n_documents"] + totals["val"]["n_documents"]
-            raise UserError(f"the {s} split is empty ({n} documents in data.corpus={parts[0]['corpus']}, "
+            raise UserError(f"the {s} split is empty ({n} documents in data.corpus={_cut(parts[0]['corpus'])}, "
                             f"data.val_fraction={parts[0]['val_fraction']}); use more text or change val_fraction")
 
     os.makedirs(data_dir, exist_ok=True)
     committed = []
     for s in SPLITS:
         k = 0
-        for d, p in zip(part_dirs, parts):
-            for rec in (r for r in p["shards"] if r["split"] == s):
+        for d, p, st in zip(part_dirs, parts, stats):
+            for rec, rec_st in ((r, t) for r, t in zip(p["shards"], st) if r["split"] == s):
                 name = f"{s}-{k:05d}-{rec['sha256'][:12]}.bin"
-                _place(os.path.join(d, rec["file"]), os.path.join(data_dir, name))
+                _place(os.path.join(d, rec["file"]), os.path.join(data_dir, name), rec_st)
                 committed.append({**rec, "file": name})
                 k += 1
         totals[s]["n_shards"] = k
-    final_tok = os.path.join(data_dir, "tokenizer.json")
+    final_tok = os.path.join(data_dir, TOKENIZER)
     if os.path.abspath(tokenizer_path) != os.path.abspath(final_tok):
-        tmp = f"{final_tok}.tmp-{os.getpid()}"
-        shutil.copyfile(tokenizer_path, tmp)
-        os.replace(tmp, final_tok)
+        write_atomic(final_tok, tokenizer, durable=True)
     index = {key: parts[0][key] for key in _SHARED_KEYS}
-    index.update(tokenizer="tokenizer.json", totals=totals, shards=committed)
+    index.update(tokenizer=TOKENIZER, totals=totals, shards=committed)
     write_json_atomic(os.path.join(data_dir, INDEX), index)
     remove_unreferenced_shards(data_dir, index)
     return index
 
 
-def _place(src: str, dst: str) -> None:
-    """Put src at dst atomically, keeping src (a hard link) so a failed commit can be re-run from the parts;
-    falls back to a rename on file systems without hard links."""
-    tmp = f"{dst}.tmp-{os.getpid()}"
+# link(2) errors meaning "this file system makes no hard links here" (EPERM also answers fs.protected_hardlinks
+# for another user's file, hence the ownership check before a rename)
+_NO_LINKS = {errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
+def _place(src: str, dst: str, verified: os.stat_result) -> None:
+    """Put the verified shard `src` at dst atomically, keeping src (a hard link) so a failed commit can be re-run
+    from the parts. Only the inode that was verified is placed (a regular file, never a symlink: verify_shard
+    opened it with O_NOFOLLOW). Without hard links here it is renamed instead, and only if it is a file this
+    user's preparation wrote: owned by us, with no other name."""
+    same = (verified.st_dev, verified.st_ino)
+    tmp = temp_name(dst)
     try:
-        os.link(src, tmp)
-    except OSError:
+        os.link(src, tmp, follow_symlinks=False)
+    except OSError as e:
+        if e.errno not in _NO_LINKS:
+            raise UserError(f"{src}: cannot link it into {os.path.dirname(dst) or '.'} ({e.strerror})") from None
+        st = os.lstat(src)
+        if ((st.st_dev, st.st_ino) != same or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1
+                or st.st_uid != os.geteuid()):
+            raise UserError(f"{src}: cannot link it into {os.path.dirname(dst) or '.'} ({e.strerror}), and it is "
+                            "not a file this preparation wrote (owned by you, one name), so it is not moved") from None
         os.replace(src, dst)
         return
+    st = os.lstat(tmp)
+    if (st.st_dev, st.st_ino) != same:  # src was swapped after it was verified
+        os.unlink(tmp)
+        raise UserError(f"{src}: changed while it was merged; re-run nagmoe prepare-data --merge")
     os.replace(tmp, dst)
 
 
 def remove_unreferenced_shards(data_dir: str, index: dict) -> None:
     keep = {r["file"] for r in index["shards"]}
     for name in os.listdir(data_dir):
-        if SHARD_NAME.match(name) and name not in keep:
+        if SHARD_NAME.fullmatch(name) and name not in keep:
             os.remove(os.path.join(data_dir, name))

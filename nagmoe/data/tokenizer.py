@@ -15,6 +15,7 @@ from typing import Iterable
 import numpy as np
 
 from nagmoe.errors import UserError
+from nagmoe.safe_files import write_atomic
 
 BOS = "<|bos|>"
 BOS_CANDIDATES = (BOS, "<|endoftext|>", "<|begin_of_text|>", "<s>", "<bos>")
@@ -60,11 +61,30 @@ def load_tokenizer(path: str):
         raise UserError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0][:160]})") from None
 
 
+def read_tokenizer_bytes(path: str) -> bytes:
+    """The file's bytes, read once (a caller hashes and loads the same bytes: no swap in between)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise UserError(f"tokenizer not found: {path}") from None
+    except OSError as e:
+        raise UserError(f"{path}: unreadable tokenizer ({e.strerror})") from None
+
+
+def tokenizer_from_bytes(data: bytes, path: str):
+    """A tokenizer from the bytes of `path` (named in errors)."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # UnicodeDecodeError, or tokenizers' bare Exception for malformed JSON
+        raise UserError(f"{path}: not a valid tokenizer.json ({(str(e).splitlines() or [''])[0][:160]})") from None
+
+
 def save_tokenizer(tok, path: str) -> None:
-    """Atomic write: a temp name in the same folder, then rename."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    tok.save(tmp)
-    os.replace(tmp, path)
+    """Atomic and through a fresh temporary (nagmoe.safe_files): the bytes `tok.save(path)` writes."""
+    write_atomic(path, tok.to_str(pretty=True), durable=True)
 
 
 def vocab_size_of(tok) -> int:

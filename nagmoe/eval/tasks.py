@@ -41,6 +41,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Optional
 
+import yaml
+
 from nagmoe.errors import UserError
 
 MULTIPLE_CHOICE, SCHEMA, LANGUAGE_MODELING = "multiple_choice", "schema", "language_modeling"
@@ -194,13 +196,37 @@ def find_core_bundle(path: str) -> Optional[str]:
     return None
 
 
+def _show(value) -> str:
+    r = repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _cut(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def bundle_file(bundle_dir: str, uri, where: str) -> str:
+    """`bundle_dir/eval_data/<uri>` for a relative `uri` that stays inside eval_data/ ("sub/task.jsonl" is fine);
+    an absolute path, `..`, `.`, an empty component, a backslash or a NUL byte is a UserError (a bundle may come
+    from someone else: its core.yaml must not name files outside it)."""
+    names = uri.split("/") if isinstance(uri, str) else []
+    if (not names or uri.startswith("/") or "\\" in uri or "\0" in uri
+            or any(n in ("", ".", "..") for n in names)):
+        raise UserError(f"{where} {_show(uri)} must be a relative path inside eval_data/ (no '..', not absolute)")
+    return os.path.join(bundle_dir, "eval_data", *names)
+
+
 def read_core_bundle(bundle_dir: str) -> list[Task]:
     """All tasks of a local nanochat CORE bundle (core.yaml + eval_meta_data.csv + eval_data/)."""
     from nagmoe.config import yaml_load
 
     config_path = os.path.join(bundle_dir, "core.yaml")
-    with open(config_path, encoding="utf-8") as f:
-        config = yaml_load(f) or {}
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = yaml_load(f) or {}
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise UserError(f"{config_path}: unreadable ({_cut(str(e).splitlines()[0] if str(e) else type(e).__name__)})") \
+            from None
     entries = config.get("icl_tasks") if isinstance(config, dict) else None
     if not isinstance(entries, list) or not entries:
         raise UserError(f"{config_path}: expected a non-empty 'icl_tasks' list")
@@ -221,12 +247,19 @@ def read_core_bundle(bundle_dir: str) -> list[Task]:
             raise UserError(f"{where}: needs label, icl_task_type and dataset_uri")
         shots = entry.get("num_fewshot", [0])
         shots = shots[0] if isinstance(shots, list) and shots else shots
+        if type(shots) is not int or shots < 0:
+            raise UserError(f"{where}: num_fewshot must be an integer >= 0 (or a list of one), got {_show(shots)}")
         if entry["icl_task_type"] not in TASK_TYPES:
-            raise UserError(f"{where}: icl_task_type {entry['icl_task_type']!r} is not one of {', '.join(TASK_TYPES)}")
-        data_path = os.path.join(bundle_dir, "eval_data", entry["dataset_uri"])
-        tasks.append(read_jsonl_task(data_path, label=str(entry["label"]), task_type=entry["icl_task_type"],
-                                     num_fewshot=int(shots), random_baseline=baselines.get(entry["label"]),
-                                     continuation_delimiter=entry.get("continuation_delimiter", " ")))
+            raise UserError(f"{where}: icl_task_type {_show(entry['icl_task_type'])} is not one of "
+                            f"{', '.join(TASK_TYPES)}")
+        delimiter = entry.get("continuation_delimiter", " ")
+        if not isinstance(delimiter, str):
+            raise UserError(f"{where}: continuation_delimiter must be a string, got {_show(delimiter)}")
+        data_path = bundle_file(bundle_dir, entry["dataset_uri"], f"{where}: dataset_uri")
+        label = str(entry["label"])
+        tasks.append(read_jsonl_task(data_path, label=label, task_type=entry["icl_task_type"],
+                                     num_fewshot=shots, random_baseline=baselines.get(label),
+                                     continuation_delimiter=delimiter))
     return tasks
 
 
