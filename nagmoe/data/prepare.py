@@ -13,7 +13,7 @@ Step 1 is skipped when `data.tokenizer` names an existing tokenizer.json (slices
 Slice i of N tokenises a contiguous run of input files (`corpus.slice_range`) into
 `data_dir/parts/part-0000i-of-000N/` (written in a fresh temporary folder, renamed when complete, so a re-run
 array task replaces only its own part). `--merge` checks that all N parts exist, agree (tokenizer sha,
-settings) and match their checksums, then hard-links (or renames) their shards into place in slice order:
+settings) and match their checksums, then hard-links (without hard links: moves) their shards into place in slice order:
 the result equals a single pass token for token. The single pass is literally slice 0 of 1 followed by the merge.
 """
 from __future__ import annotations

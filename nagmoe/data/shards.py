@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import stat
 from typing import Optional
 
@@ -376,35 +377,53 @@ def merge_parts(data_dir: str, part_dirs: list[str], tokenizer_path: str, verify
     return index
 
 
-# link(2) errors meaning "this file system makes no hard links here" (EPERM also answers fs.protected_hardlinks
-# for another user's file, hence the ownership check before a rename)
+# link(2) errors meaning "no hard link from there to here": another file system (EXDEV, e.g. parts/ a symlink to
+# scratch), or one without hard links (ENOTSUP/EOPNOTSUPP, and EPERM, which also answers fs.protected_hardlinks for
+# another user's file: hence the ownership check before anything is moved)
 _NO_LINKS = {errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
 def _place(src: str, dst: str, verified: os.stat_result) -> None:
     """Put the verified shard `src` at dst atomically, keeping src (a hard link) so a failed commit can be re-run
     from the parts. Only the inode that was verified is placed (a regular file, never a symlink: verify_shard
-    opened it with O_NOFOLLOW). Without hard links here it is renamed instead, and only if it is a file this
-    user's preparation wrote: owned by us, with no other name."""
+    opened it with O_NOFOLLOW). Where no hard link can be made it is moved instead (renamed, or copied across file
+    systems), and only if it is a file this user's preparation wrote: owned by us, with no other name."""
     same = (verified.st_dev, verified.st_ino)
+    where = os.path.dirname(dst) or "."
     tmp = temp_name(dst)
     try:
         os.link(src, tmp, follow_symlinks=False)
     except OSError as e:
         if e.errno not in _NO_LINKS:
-            raise UserError(f"{src}: cannot link it into {os.path.dirname(dst) or '.'} ({e.strerror})") from None
+            raise UserError(f"{src}: cannot link it into {where} ({e.strerror})") from None
         st = os.lstat(src)
         if ((st.st_dev, st.st_ino) != same or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1
                 or st.st_uid != os.geteuid()):
-            raise UserError(f"{src}: cannot link it into {os.path.dirname(dst) or '.'} ({e.strerror}), and it is "
-                            "not a file this preparation wrote (owned by you, one name), so it is not moved") from None
-        os.replace(src, dst)
+            raise UserError(f"{src}: cannot link it into {where} ({e.strerror}), and it is not a file this "
+                            "preparation wrote (owned by you, with one name), so it is not moved") from None
+        try:
+            os.replace(src, dst)
+        except OSError as e2:
+            if e2.errno != errno.EXDEV:
+                raise UserError(f"{src}: cannot move it into {where} ({e2.strerror})") from None
+            _copy_verified(src, dst, same)
         return
     st = os.lstat(tmp)
     if (st.st_dev, st.st_ino) != same:  # src was swapped after it was verified
         os.unlink(tmp)
         raise UserError(f"{src}: changed while it was merged; re-run nagmoe prepare-data --merge")
     os.replace(tmp, dst)
+
+
+def _copy_verified(src: str, dst: str, same: tuple) -> None:
+    """src (the verified inode, else a UserError) copied to dst through a fresh temporary (another file system)."""
+    fd = _open_regular(src)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != same:
+            raise UserError(f"{src}: changed while it was merged; re-run nagmoe prepare-data --merge")
+        with atomic_writer(dst, binary=True, durable=True) as out:
+            shutil.copyfileobj(f, out, 1 << 22)
 
 
 def remove_unreferenced_shards(data_dir: str, index: dict) -> None:

@@ -309,6 +309,31 @@ def test_merge_refuses_a_part_json_that_is_not_an_object_and_merges_the_writers_
     assert read(os.path.join(out, "index.json"))["totals"]["train"]["n_tokens"] == part["totals"]["train"]["n_tokens"]
 
 
+def test_merge_without_hard_links_moves_only_its_own_files(parts, tmp_path, capsys):
+    """parts/ on another file system (a symlink to /dev/shm, as to scratch): link(2) says EXDEV. A shard with a
+    second name is not this preparation's file: refused, left where it is; the writer's own shards are copied in."""
+    import tempfile
+
+    argv, out, part_dir, part = parts
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(out).st_dev:
+        pytest.skip("needs /dev/shm on another file system than the test's tmp dir")
+    elsewhere = tempfile.mkdtemp(dir="/dev/shm", prefix="nagmoe-test-")
+    try:
+        shutil.move(os.path.join(out, "parts"), os.path.join(elsewhere, "parts"))
+        os.symlink(os.path.join(elsewhere, "parts"), os.path.join(out, "parts"))
+        shard = os.path.join(out, "parts", "part-00000-of-00001", part["shards"][0]["file"])
+        os.link(shard, os.path.join(elsewhere, "other-name.bin"))
+        refused(capsys, argv, shard, "not a file this preparation wrote")
+        assert os.stat(shard).st_nlink == 2 and not os.path.exists(os.path.join(out, "index.json"))
+        os.unlink(os.path.join(elsewhere, "other-name.bin"))
+        assert main(argv) == 0, capsys.readouterr().err
+        from nagmoe.data.loader import TokenLoader
+
+        next(TokenLoader(out, "train", 64, 2, seed=0))
+    finally:
+        shutil.rmtree(elsewhere, ignore_errors=True)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Writes through planted names (the data pipeline's temporaries)
 # ----------------------------------------------------------------------------------------------------------
