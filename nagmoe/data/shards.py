@@ -94,7 +94,7 @@ def _int(obj: dict, key: str, where: str, lo: int = 0, hi: Optional[int] = None)
         raise UserError(f"{where}: '{key}' must be an integer, got {show(v)}" if key in obj else
                         f"{where}: no '{key}'")
     if v < lo or (hi is not None and v >= hi):
-        raise UserError(f"{where}: '{key}' = {v} must be >= {lo}" + ("" if hi is None else f" and < {hi}"))
+        raise UserError(f"{where}: '{key}' = {show(v)} must be >= {lo}" + ("" if hi is None else f" and < {hi}"))
     return v
 
 

@@ -197,6 +197,63 @@ def test_an_index_that_is_a_list_exits_2(data, train_argv, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "run")
 
 
+JUNK = (None, True, -1, 0, 2 ** 70, 1.5, float("nan"), "", "../x", "train-00000-000000000000.bin", [], {}, [{}],
+        "uint16", "tokenizer.json", {"n_tokens": -1})
+
+
+def _paths(obj, prefix=()):
+    """Every (key path) into a JSON value, the value itself first."""
+    yield prefix
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        yield from _paths(v, prefix + (k,))
+
+
+def _crafted(obj):
+    """obj with each one field (or the whole value) replaced by each junk value or removed, one at a time."""
+    import copy
+
+    for path in _paths(obj):
+        for junk in (*JUNK, "<removed>"):
+            if not path:
+                if junk != "<removed>":
+                    yield junk
+                continue
+            crafted = copy.deepcopy(obj)
+            parent = crafted
+            for k in path[:-1]:
+                parent = parent[k]
+            if junk == "<removed>":
+                del parent[path[-1]]
+            else:
+                parent[path[-1]] = junk
+            yield crafted
+
+
+def test_any_one_field_replaced_by_junk_is_read_or_refused_in_one_line(data, parts, tmp_path):
+    """Fuzz: each field of index.json (and the whole file) replaced by each junk value, or removed: opening the
+    train split and reading a batch either works or is a UserError (one line at the CLI), never another exception.
+    The same for part.json and a merge (one case in four)."""
+    from nagmoe.data import shards
+    from nagmoe.data.loader import TokenShards, iter_eval_batches
+
+    data_dir, index = data
+    for crafted in _crafted(index):
+        write(os.path.join(data_dir, "index.json"), crafted)
+        try:
+            next(iter_eval_batches(TokenShards(data_dir, "train", verify=False), 64, 2))
+        except UserError:
+            pass
+    _, out, part_dir, part = parts
+    for n, crafted in enumerate(_crafted(part)):
+        if n % 4 == 0:
+            write(os.path.join(part_dir, "part.json"), crafted)
+            try:
+                shards.merge_parts(str(tmp_path / "merged"), [part_dir], os.path.join(out, "parts", "tokenizer.json"))
+            except UserError:
+                pass
+
+
 def test_ids_past_the_vocabulary_are_refused_at_open_and_in_every_batch(data):
     """A shard whose ids reach past vocab_size (its sha256 recorded consistently) is refused when the loader opens
     it (the verifying pass), by every unverified batch, and by the unigram baseline."""
