@@ -110,7 +110,8 @@ def test_train_process_refuses_a_traversal_index_in_one_line(data, micro_data, m
     shutil.copyfile(os.path.join(data_dir, rec["file"]), tmp_path / "x.bin")
     rec["file"] = "../x.bin"
     write(os.path.join(data_dir, "index.json"), index)
-    done = subprocess.run([sys.executable, "-m", "nagmoe", "train", "--config", os.path.join(REPO, "configs", "tiny.yaml"),
+    tiny = os.path.join(REPO, "configs", "tiny.yaml")
+    done = subprocess.run([sys.executable, "-m", "nagmoe", "train", "--config", tiny,
                            "--run-dir", str(tmp_path / "run"), "--quiet", *micro_overrides,
                            f"data.corpus={micro_data[1]}", f"data.data_dir={data_dir}"],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
