@@ -428,7 +428,7 @@ def slurm_jobs(exp: Experiment, plans: list, opts, runs_root: str = "runs", forc
         config_yaml = dump_yaml(cfg)
         slurm.check_resume_config(run_dir, config_yaml, force)
         job_opts = dataclasses.replace(opts, job_name=f"{opts.job_name or exp.name}-{p.label}")
-        script = slurm.render_train_script(job_opts, run_dir, force=force)
+        script = slurm.render_train_script(job_opts, run_dir, force=force, run_dir_what="--runs-root")
         jobs.append(SlurmJob(p.label, run_dir, script, os.path.join(run_dir, slurm.SLURM_DIR, slurm.TRAIN_TEMPLATE),
                              config_yaml))
     out = os.path.abspath(exp.out_dir(runs_root))

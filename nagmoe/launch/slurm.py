@@ -209,7 +209,9 @@ def torchrun_path() -> str:
     return here if os.path.isfile(here) else (shutil.which("torchrun") or "torchrun")
 
 
-def render_train_script(opts: SlurmOptions, run_dir: str, force: bool = False) -> str:
+def render_train_script(opts: SlurmOptions, run_dir: str, force: bool = False,
+                        run_dir_what: str = "--run-dir") -> str:
+    """`run_dir_what`: the option the run dir came from, for messages (an experiment's: --runs-root)."""
     opts.validate()
     run_dir = os.path.abspath(run_dir)
     job_name = opts.job_name or job_name_from(f"nagmoe-{os.path.basename(run_dir)}")
@@ -221,7 +223,7 @@ def render_train_script(opts: SlurmOptions, run_dir: str, force: bool = False) -
             else f"# GPU mode: one NCCL rank per GPU, {opts.gpus_per_node} per node")
     return fill(read_template(TRAIN_TEMPLATE), {
         "SBATCH_LINES": sbatch_lines(opts, job_name, os.path.join(run_dir, SLURM_DIR), "slurm-%j.out",
-                                     log_dir_what="--run-dir", nodes=opts.nodes, gpus=opts.gpus_per_node,
+                                     log_dir_what=run_dir_what, nodes=opts.nodes, gpus=opts.gpus_per_node,
                                      cpus_per_task=opts.cpus_per_task, preemptible=True, extra=whole_node),
         "RUN_DIR": shlex.quote(run_dir), "TORCHRUN": shlex.quote(torchrun_path()),
         "PROCS_PER_NODE": opts.procs_per_node, "THREADS_PER_PROC": threads,
