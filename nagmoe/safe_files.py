@@ -13,7 +13,8 @@ or a hard link at a name we are about to write. So:
   * A file appended in place (`metrics.jsonl`) is opened with O_NOFOLLOW and refused unless it is a regular
     file with one link: `open_append(path)`; a symlink or a hard link there is a UserError naming the file
     (exit 2), and the other file is left as it was.
-  * Temporary directories: `make_temp_dir(parent, prefix)` (tempfile.mkdtemp: a fresh random name, 0700).
+  * Temporary directories: `make_temp_dir(parent, prefix)` (tempfile.mkdtemp: a fresh random name, 0700);
+    `create_fresh(path)` for a writer that names its file only once written.
 The directories themselves (run dir, `checkpoints/`, `slurm/`, `figures/`, a data dir) may be symlinks: the rule
 is about the files written inside them. No realpath checks (they race); no chmod of a path.
 """
@@ -39,7 +40,9 @@ def temp_name(path: str) -> str:
     return os.path.join(folder, f".{name}{TMP_MARK}{secrets.token_hex(6)}")
 
 
-def _create_fresh(path: str, mode: int) -> tuple[int, str]:
+def create_fresh(path: str, mode: int = 0o666) -> tuple[int, str]:
+    """(descriptor, name) of a fresh temporary beside `path`, for a writer that picks the final name later (a
+    shard named by its hash): the caller writes, then `os.replace`s or unlinks it."""
     for _ in range(8):  # a clash with a random name is someone's plant or a one-in-2^48 accident: draw again
         tmp = temp_name(path)
         try:
@@ -62,7 +65,7 @@ def atomic_writer(path: str, binary: bool = False, durable: bool = False, mode: 
                   encoding: str = "utf-8") -> Iterator[IO]:
     """Yields a file object on a fresh temporary; on a clean exit it replaces `path` (module docstring), else
     the temporary is removed and `path` is untouched. `durable`: fsync the file and the directory."""
-    fd, tmp = _create_fresh(path, mode)
+    fd, tmp = create_fresh(path, mode)
     try:
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": encoding})) as f:
             yield f

@@ -45,7 +45,7 @@ import numpy as np
 
 from nagmoe.data.tokenizer import read_tokenizer_bytes, token_dtype
 from nagmoe.errors import UserError
-from nagmoe.safe_files import _create_fresh, atomic_writer, temp_name, write_atomic
+from nagmoe.safe_files import create_fresh, atomic_writer, temp_name, write_atomic
 
 FORMAT = "nagmoe-tokens-v1"
 SPLITS = ("train", "val")
@@ -154,7 +154,7 @@ def check_index(obj, path: str, part: bool = False) -> dict:
 
 
 def _fresh_file(path: str):
-    fd, tmp = _create_fresh(path, 0o666)
+    fd, tmp = create_fresh(path, 0o666)
     return os.fdopen(fd, "wb"), tmp
 
 
