@@ -153,11 +153,9 @@ def check_sbatch_path(path: str, what: str) -> str:
     return path
 
 
-def sbatch_path_value(path: str, pattern: bool = False) -> str:
-    """A checked path as the value of a #SBATCH option: `%` doubled where Slurm expands patterns (`--output`:
-    `%j` is ours, a `%` of the path is literal), double-quoted with `\\"` for a quote when it holds anything
-    but plain characters (sbatch groups a quoted word and takes `'`, `#`, `$`, spaces literally inside it)."""
-    value = path.replace("%", "%%") if pattern else path
+def sbatch_path_value(value: str) -> str:
+    """A checked path as the value of a #SBATCH option: as it is when plain, else double-quoted with `\\"` for a
+    quote (sbatch groups a quoted word and takes spaces, `'`, `#`, `$(...)` literally inside it)."""
     return value if _PLAIN_PATH.fullmatch(value) else '"' + value.replace('"', '\\"') + '"'
 
 
@@ -183,9 +181,11 @@ def sbatch_lines(opts: SlurmOptions, job_name: str, log_dir: str, log_name: str,
                  preemptible: bool = False, extra: tuple = ()) -> str:
     """The #SBATCH block. The log goes to LOG_DIR/LOG_NAME (LOG_NAME: our own `%` pattern, e.g. slurm-%j.out);
     LOG_DIR (from `log_dir_what`) and the working directory are checked and quoted here, for every job."""
-    output = sbatch_path_value(os.path.join(check_sbatch_path(log_dir, log_dir_what), "").replace("%", "%%")
-                               + log_name)
-    chdir = sbatch_path_value(check_sbatch_path(os.getcwd(), "working directory (run from another one)"))
+    log_dir = check_sbatch_path(log_dir, log_dir_what)
+    # Slurm expands `%` patterns in --output: the folder's own `%` doubled (literal), LOG_NAME's kept (the job id).
+    # --chdir is no pattern field: its `%` stays single.
+    output = sbatch_path_value(os.path.join(log_dir.replace("%", "%%"), log_name))
+    chdir = sbatch_path_value(check_sbatch_path(os.getcwd(), "working directory"))
     lines = [f"--job-name={sbatch_word(job_name, 'job name')}", f"--nodes={nodes}", "--ntasks-per-node=1"]
     if gpus:
         lines.append(f"--gpus-per-node={gpus}")
