@@ -26,7 +26,7 @@ import os
 import secrets
 import stat
 import tempfile
-from typing import IO, Iterator, Union
+from typing import IO, Iterator, Optional, Union
 
 from nagmoe.errors import UserError
 
@@ -105,6 +105,17 @@ def open_append(path: str, encoding: str = "utf-8") -> IO:
     return os.fdopen(fd, "a", encoding=encoding)
 
 
-def make_temp_dir(parent: str, prefix: str) -> str:
-    """A fresh directory `PREFIX<random>` inside `parent` (mode 0700), nobody else's."""
-    return tempfile.mkdtemp(prefix=prefix, dir=parent)
+def make_temp_dir(parent: str, prefix: str, mode: Optional[int] = None) -> str:
+    """A fresh directory `PREFIX<random>` inside `parent`, nobody else's: mode 0700 (tempfile.mkdtemp), or `mode`
+    minus the umask for one that is published as it is (a checkpoint's `step_N.tmp-<random>`, renamed to
+    `step_N`: 0700 would lock the group out of a shared run's checkpoints). mkdir never follows a planted name."""
+    if mode is None:
+        return tempfile.mkdtemp(prefix=prefix, dir=parent)
+    for _ in range(8):  # as create_fresh: a clash is a plant or an accident, draw again
+        path = os.path.join(parent, f"{prefix}{secrets.token_hex(6)}")
+        try:
+            os.mkdir(path, mode)
+            return path
+        except FileExistsError:
+            continue
+    raise UserError(f"{parent or '.'}: cannot create a fresh temporary directory there")
