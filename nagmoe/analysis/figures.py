@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from nagmoe.safe_files import atomic_writer
+
 DPI = 110
 
 
@@ -28,9 +30,13 @@ def palette(groups: list) -> dict:
 
 
 def _save(fig, path: str) -> str:
+    """PNG through a fresh temporary, renamed (nagmoe.safe_files): savefig(path) would follow a planted link."""
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    _plt().close(fig)
+    try:
+        with atomic_writer(path, binary=True) as f:
+            fig.savefig(f, dpi=DPI, format="png")
+    finally:
+        _plt().close(fig)
     return path
 
 

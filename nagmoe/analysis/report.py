@@ -23,6 +23,7 @@ from nagmoe.analysis import figures as fig
 from nagmoe.analysis.references import THEIRS
 from nagmoe.analysis.report_data import (FINAL_LOSS_WINDOW, accuracy_noise, find_pairs, group_records, mean_sd,
                                          measure_checkpoint, noise_statement, read_run, unique_labels)
+from nagmoe.safe_files import atomic_writer, write_atomic
 
 REPORT_HTML, REPORT_JSON, FIGURE_DIR = "report.html", "report.json", "figures"
 FIGURES = ("loss_curves", "val_bpb", "depth", "confidence", "router_load", "compute_dial", "mod_skip_depth")
@@ -524,15 +525,13 @@ def write_report(run_dirs: list, out_dir: str, title: Optional[str] = None, desc
             f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{CSS}</style></head>'
             f'<body>\n' + "\n".join(parts) + "\n</body></html>\n")
     path = os.path.join(out_dir, REPORT_HTML)
-    with open(path + ".tmp", "w") as f:
-        f.write(page)
-    os.replace(path + ".tmp", path)
+    write_atomic(path, page)  # a fresh temporary, renamed (nagmoe.safe_files): a shared --out dir's planted names
     data = {"title": title, "html": path, "problems": problems, "unigram_bpb": unigram, "sections": list(SECTIONS),
             "figures": {k: os.path.relpath(v, out_dir) for k, v in made.items() if v},
             "pairs": [p.__dict__ for p in pairs], "groups": nums,
             "runs": {r.label: {"run_dir": r.run_dir, "group": r.group, "seed": r.seed, "checkpoint": r.checkpoint,
                                "val_bpb": r.val_bpb, "final_loss": r.final_loss, "notes": r.notes} for r in records}}
-    with open(os.path.join(out_dir, REPORT_JSON), "w") as f:
+    with atomic_writer(os.path.join(out_dir, REPORT_JSON)) as f:
         json.dump(data, f, indent=1, default=str)
     log(f"[report] wrote {path} ({len(records)} run(s), {len(problems)} problem(s))")
     return data

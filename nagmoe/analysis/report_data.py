@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from nagmoe.config import to_dict
+from nagmoe.safe_files import atomic_writer
 from nagmoe.train.metrics import plain_json
 
 FINAL_LOSS_WINDOW = 10  # final training loss = mean over the last this many logged steps
@@ -204,11 +205,10 @@ def measure_checkpoint(record: RunRecord, out_dir: str, analysis_tokens: int, ev
             except Exception as e:
                 problems.append(f"{record.run_dir}: eval failed ({type(e).__name__}: {e})")
     os.makedirs(os.path.dirname(cache_path), exist_ok=True)
-    with open(cache_path + ".tmp", "w") as f:
+    with atomic_writer(cache_path) as f:  # a fresh temporary, renamed (nagmoe.safe_files)
         json.dump({"run_dir": record.run_dir, "checkpoint": record.checkpoint,
                    "analysis_tokens": analysis_tokens, "analysis": record.analysis,
                    "eval_items": eval_items, "eval": record.eval}, f)
-    os.replace(cache_path + ".tmp", cache_path)
     return problems
 
 

@@ -26,6 +26,7 @@ from nagmoe.checkpoint.run_dir import CONFIG_FILE, read_saved_config
 from nagmoe.config import Config, config_from_dict, to_dict
 from nagmoe.errors import UserError
 from nagmoe.model import build_model
+from nagmoe.safe_files import atomic_writer
 
 CONSOLIDATED = "consolidated.pt"
 FORMAT = "nagmoe-consolidated"
@@ -54,9 +55,8 @@ def consolidate_run(run_dir: str, checkpoint: Optional[str] = None, out: Optiona
                "step": int(extra["step"]), "progress": extra.get("progress", {}),
                "checkpoint": os.path.abspath(checkpoint)}
     out = out or os.path.join(run_dir, CONSOLIDATED)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    torch.save(payload, tmp)
-    os.replace(tmp, out)
+    with atomic_writer(out, binary=True, durable=True) as f:  # a fresh temporary, renamed (nagmoe.safe_files)
+        torch.save(payload, f)
     return out
 
 

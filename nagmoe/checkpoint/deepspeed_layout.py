@@ -20,6 +20,7 @@ import torch
 from nagmoe.checkpoint.files import read_checkpoint_state, verify_checkpoint
 from nagmoe.checkpoint.safe_dcp import weights_only_load
 from nagmoe.errors import UserError
+from nagmoe.safe_files import atomic_writer
 
 FORMAT = "deepspeed-1"  # state.json "format" of a DeepSpeed checkpoint (the torch engine refuses it)
 OWN_FILE = "own_rank_{rank:05d}.pt"  # the parameters DeepSpeed does not manage, one file per rank
@@ -44,9 +45,11 @@ def load_deepspeed_file(path: str, map_location=None) -> dict:
 
 
 def write_own_state(directory: str, rank: int, params: dict, expert_names: list, optim_state) -> None:
-    """Rank `rank`'s own parameters (name -> tensor) and their optimizer state dict (or None)."""
-    torch.save({"params": {n: p.detach().cpu() for n, p in params.items()}, "expert_names": list(expert_names),
-                "optim": optim_state}, os.path.join(directory, OWN_FILE.format(rank=rank)))
+    """Rank `rank`'s own parameters (name -> tensor) and their optimizer state dict (or None), through the safe
+    writer (nagmoe.safe_files; the publish fsyncs it while hashing)."""
+    with atomic_writer(os.path.join(directory, OWN_FILE.format(rank=rank)), binary=True) as f:
+        torch.save({"params": {n: p.detach().cpu() for n, p in params.items()}, "expert_names": list(expert_names),
+                    "optim": optim_state}, f)
 
 
 def read_own_state(path: str, rank: int, device="cpu") -> dict:

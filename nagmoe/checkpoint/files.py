@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from nagmoe.errors import UserError
+from nagmoe.safe_files import write_atomic
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -32,19 +33,10 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_json(path: str, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, allow_nan=False)
-        f.flush()
-        os.fsync(f.fileno())
+    """Durably, through the safe writer (nagmoe.safe_files): a fresh temporary, fsynced, renamed."""
+    text = json.dumps(obj, indent=1, allow_nan=False)  # a ValueError before anything is created
+    write_atomic(path, text, durable=True)
 
 
 def sha256_and_sync(path: str) -> str:

@@ -29,6 +29,7 @@ import uuid
 from typing import Optional
 
 from nagmoe.errors import UserError
+from nagmoe.safe_files import write_atomic
 from nagmoe.settings import env_seconds
 
 LEASE_FILE = "lease.json"
@@ -111,11 +112,8 @@ class RunDirLease:
         self._thread.start()
         return self
 
-    def _write(self) -> None:
-        tmp = f"{self.path}.tmp-{self.me['pid']}"
-        with open(tmp, "w") as f:
-            json.dump({**self.me, "refreshed": time.time()}, f)
-        os.replace(tmp, self.path)
+    def _write(self) -> None:  # a fresh temporary, renamed (nagmoe.safe_files): never a planted name
+        write_atomic(self.path, json.dumps({**self.me, "refreshed": time.time()}))
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.refresh_s):

@@ -5,10 +5,11 @@ import logging
 import os
 from typing import Optional
 
-from nagmoe.checkpoint.files import (CHECKPOINTS, fsync_dir, is_valid_checkpoint, list_checkpoints,
-                                     read_checkpoint_state, unfinished_writes, verify_checkpoint)
-from nagmoe.checkpoint.publish import remove_dir
+from nagmoe.checkpoint.files import (CHECKPOINTS, is_valid_checkpoint, list_checkpoints, read_checkpoint_state,
+                                     unfinished_writes, verify_checkpoint)
+from nagmoe.checkpoint.publish import fresh_tag, remove_dir
 from nagmoe.errors import UserError
+from nagmoe.safe_files import fsync_dir
 
 # What a run dir holds once a run has started: finding any of it with no valid checkpoint means a run would
 # be started over on top of another one's history.
@@ -54,8 +55,8 @@ def recover_unfinished(run_dir: str, after_step: int) -> Optional[tuple[str, int
         if step <= after_step or not is_valid_checkpoint(tmp):
             continue
         final = os.path.join(os.path.dirname(tmp), os.path.basename(tmp).split(".tmp-")[0])
-        if os.path.exists(final):  # an invalid step_N (a valid one would not be older than the newest valid)
-            remove_dir(final, "recovery")
+        if os.path.lexists(final):  # an invalid step_N (a valid one would not be older than the newest valid)
+            remove_dir(final, fresh_tag())  # a random `.del-` name: a fixed one can be planted
         os.rename(tmp, final)
         fsync_dir(os.path.dirname(final))
         log.warning("recovered checkpoint %s from the complete save %s (interrupted before it was published)",

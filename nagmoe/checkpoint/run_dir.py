@@ -12,6 +12,7 @@ import time
 from nagmoe.config import (RESUMABLE_KEYS, Config, config_from_dict, dump_yaml, missing_legacy_keys, set_key, to_dict,
                            yaml_load)
 from nagmoe.errors import UserError
+from nagmoe.safe_files import write_atomic
 from nagmoe.schema import RESUMABLE_LAYOUT_KEYS
 
 CONFIG_FILE = "config.yaml"
@@ -87,10 +88,7 @@ def prepare_run_dir(run_dir: str, cfg: Config, resuming: bool, force: bool = Fal
                             f"({'; '.join(diffs)}); only {', '.join(RESUMABLE_KEYS)} and the layout "
                             f"({', '.join(RESUMABLE_LAYOUT_KEYS)}, the world size) may change (pass --force to "
                             "override)")
-    tmp = os.path.join(run_dir, CONFIG_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(dump_yaml(cfg))
-    os.replace(tmp, os.path.join(run_dir, CONFIG_FILE))
+    write_atomic(os.path.join(run_dir, CONFIG_FILE), dump_yaml(cfg), durable=True)
 
 
 def git_commit() -> str:
@@ -107,10 +105,9 @@ def git_commit() -> str:
 
 
 def _replace_json(path: str, obj) -> None:
-    """Write `obj` beside `path` and move it over: a reader sees the old file or the new one, never half."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
+    """Write `obj` beside `path` and move it over: a reader sees the old file or the new one, never half; through
+    a fresh temporary (nagmoe.safe_files), so a name planted in a shared run dir is never written through."""
+    write_atomic(path, json.dumps(obj, indent=1), durable=True)
 
 
 def update_run_info(run_dir: str, key: str, value) -> bool:

@@ -29,8 +29,6 @@ wherever the saving layout had put those experts (a plain tensor when P was 1, D
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import warnings
 from typing import Any, Optional
 
@@ -47,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from nagmoe.checkpoint.files import extra_with_step, hash_threads, read_checkpoint_state, verify_checkpoint
-from nagmoe.checkpoint.publish import already_saved, publish, save_paths
+from nagmoe.checkpoint.publish import already_saved, new_save_dir, publish, save_paths
 from nagmoe.checkpoint.rng import capture_rng_state, restore_rank_rng
 from nagmoe.checkpoint.safe_dcp import safe_dcp_load
 from nagmoe.errors import UserError
@@ -181,15 +179,11 @@ def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizers=None,
     if extra_state.get("step", step) != step:
         raise ValueError(f"extra_state['step']={extra_state['step']} disagrees with step={step}")
     json.dumps(extra_state, allow_nan=False)  # fail on every rank before anything is written
-    tag = str(_broadcast_from_rank0(os.getpid()))
-    root, final, tmp = save_paths(run_dir, step, tag)
+    root, final = save_paths(run_dir, step)
     if _broadcast_from_rank0(already_saved(final) if _rank() == 0 else None):
         return final  # this step is on disk and verifies: re-saving it could only open a window to lose it
-    if _rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
+    # a fresh step_N.tmp-<random> made by rank 0 (nagmoe.checkpoint.publish.new_save_dir); the broadcast is the barrier
+    tmp, tag = _broadcast_from_rank0(new_save_dir(root, final) if _rank() == 0 else None)
 
     _dcp(dcp.save, _tensor_state(model, _optimizer_list(optimizers), shard_plan), tmp)
 

@@ -29,6 +29,7 @@ def _fmt(x, spec=".3f"):
 def run(args) -> int:
     from nagmoe.analysis.run_analysis import analyze_run
     from nagmoe.commands.eval import resolve_device
+    from nagmoe.safe_files import atomic_writer
     from nagmoe.train.metrics import plain_json
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
@@ -40,7 +41,7 @@ def run(args) -> int:
         from nagmoe.analysis.run_analysis import analyze_milestones
 
         result["through_training"] = analyze_milestones(args.run_dir, device, args.tokens, args.batch_rows)
-    with open(args.out, "w") as f:
+    with atomic_writer(args.out) as f:  # nagmoe.safe_files: a half-written or linked-through --out never happens
         json.dump(plain_json(result), f, indent=2)
     depth, sink = result["depth"], result["attention_sink"]
     print(f"{result['residual']} run, {result['tokens']} tokens: val loss {_fmt(result['val_loss'], '.4f')}, "

@@ -63,6 +63,8 @@ def run(args) -> int:
         raise UserError(f"--max-per-task: {args.max_per_task} must be >= 1")
     if args.offline_items < 1:
         raise UserError(f"--offline-items: {args.offline_items} must be >= 1")
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):  # before the evaluation, not after
+        raise UserError(f"--out: directory {os.path.dirname(os.path.abspath(args.out))[:200]} does not exist")
 
     from nagmoe.eval.core import evaluate_tasks, tokenizer_encoder
     from nagmoe.eval.generate import load_run
@@ -83,6 +85,8 @@ def run(args) -> int:
           f"{results['core_metric']:.4f}")
     if args.out:
         out = {"run_dir": os.path.abspath(args.run_dir), "checkpoint": run_.checkpoint, **results}
-        with open(args.out, "w") as f:
+        from nagmoe.safe_files import atomic_writer
+
+        with atomic_writer(args.out) as f:  # nagmoe.safe_files: never half-written, never through a planted link
             json.dump(out, f, indent=2)
     return 0

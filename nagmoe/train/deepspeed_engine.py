@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -49,7 +48,7 @@ from torch import nn
 from nagmoe.checkpoint.deepspeed_layout import (FORMAT, check_deepspeed_state, load_deepspeed_file, read_own_state,
                                                 write_own_state)
 from nagmoe.checkpoint.files import extra_with_step, verify_checkpoint
-from nagmoe.checkpoint.publish import already_saved, publish, save_paths
+from nagmoe.checkpoint.publish import already_saved, new_save_dir, publish, save_paths
 from nagmoe.checkpoint.rng import capture_rng_state, restore_rng_state
 from nagmoe.errors import UserError
 from nagmoe.model.roles import ROLES, param_roles
@@ -345,14 +344,11 @@ class DeepSpeedEngine:
             raise UserError(f"train.keep_checkpoints: {keep} must be >= 1")
         json.dumps(extra_state, allow_nan=False)  # fail on every rank before anything is written
         rank = dist.get_rank()
-        tag = str(self.mesh.broadcast(os.getpid()))
-        root, final, tmp = save_paths(run_dir, step, tag)
+        root, final = save_paths(run_dir, step)
         if self.mesh.on_rank0(lambda: already_saved(final)):
             return final  # on disk and valid: never replaced (nagmoe.checkpoint.publish)
-        if rank == 0:
-            os.makedirs(root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
+        # a fresh step_N.tmp-<random> made by rank 0 (DeepSpeed writes into it: its makedirs has exist_ok)
+        tmp, tag = self.mesh.on_rank0(lambda: new_save_dir(root, final))
         self.ds.save_checkpoint(root, tag=os.path.basename(tmp), save_latest=False)  # ends with a barrier
         write_own_state(tmp, rank, dict(zip(self.own_names, self.expert_params + self.scalar_params)),
                         self.expert_names, self.own_optim.state_dict() if self.own_optim is not None else None)

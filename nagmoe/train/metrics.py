@@ -3,6 +3,10 @@
 Values are made strict JSON: tensors and numpy scalars become Python numbers, and non-finite floats
 (NaN/inf) become null, so any JSON reader (jq, pandas, browsers) can read the file. On resume the trainer
 calls `truncate_metrics(path, checkpoint_step)` so that each step appears exactly once.
+
+The file is appended in place, so it is opened through `nagmoe.safe_files.open_append`: a symlink or a hard link
+planted at RUN_DIR/metrics.jsonl is refused (exit 2 naming it) and the file it points to is never written; the
+resume's rewrite refuses the same names and goes through a fresh temporary.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+
+from nagmoe.safe_files import atomic_writer, open_append
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -40,7 +46,7 @@ class MetricsWriter:
     def __init__(self, run_dir: str, filename: str = METRICS_FILE):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, filename)
-        self._file = open(self.path, "a")
+        self._file = open_append(self.path)
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(plain_json(record), allow_nan=False) + "\n")
@@ -83,8 +89,9 @@ def truncate_metrics(path: str, step: int) -> int:
 
     Records without a `step` key are kept. Returns the number of records kept; a missing file is a no-op.
     """
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return 0
+    open_append(path).close()  # the checks of the append that follows (a link there: UserError), nothing written
     kept = []
     with open(path) as f:
         for line in f:
@@ -94,10 +101,6 @@ def truncate_metrics(path: str, step: int) -> int:
             if "step" in record and record["step"] is not None and record["step"] > step:
                 continue
             kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    with atomic_writer(path, durable=True) as f:
         f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return len(kept)

@@ -22,6 +22,7 @@ import torch
 
 from nagmoe.config import load_config, set_key
 from nagmoe.flops import mfu
+from nagmoe.safe_files import atomic_writer
 
 PROBE_BYTES = {"cuda": 256 * 2 ** 20, "cpu": 8 * 2 ** 20}
 
@@ -118,7 +119,7 @@ def run_preflight(directory: str, steps: int = 3, gpu_memory_gb: Optional[float]
     }
     summary["checks"] = _checks(summary, records)
     summary["verdict"] = "PASS" if all(c["ok"] for c in summary["checks"]) else "FAIL"
-    with open(os.path.join(directory, "summary.json"), "w") as f:
+    with atomic_writer(os.path.join(directory, "summary.json")) as f:  # nagmoe.safe_files
         json.dump(summary, f, indent=1)
     return summary
 
