@@ -21,10 +21,15 @@ def _importers(prefixes: tuple[str, ...], forbidden: str) -> list[str]:
     (("nagmoe.model",), "nagmoe.train"),
     (("nagmoe.model",), "nagmoe.parallel"),
     (("nagmoe.model",), "nagmoe.checkpoint"),
-    (("nagmoe.schema", "nagmoe.flops", "nagmoe.nag_math", "nagmoe.errors"), "nagmoe.config"),
+    (("nagmoe.schema", "nagmoe.flops", "nagmoe.nag_math", "nagmoe.errors", "nagmoe.safe_files"), "nagmoe.config"),
 ])
 def test_layer_does_not_import_upwards(layer, forbidden):
     assert _importers(layer, forbidden) == []
+
+
+def test_the_one_writer_sits_in_layer_1():
+    """nagmoe/safe_files.py (issue 40) is used from every layer: it imports nothing of nagmoe but errors.py."""
+    assert {t for t in GRAPH["nagmoe.safe_files"] if t.startswith("nagmoe")} == {"nagmoe.errors"}
 
 
 def test_no_import_circle():
