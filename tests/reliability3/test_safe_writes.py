@@ -215,6 +215,23 @@ def test_links_at_consolidated_pt_and_user_named_out_files_leave_the_victim_unch
     assert torch.load(own, weights_only=True)["params"]["w"].tolist() == [1.0, 1.0]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_link_at_the_preflights_summary_leaves_the_victim_unchanged(kind, victim, micro_args, tmp_path, capsys):
+    from nagmoe.config import dump_yaml, load_config
+
+    directory = tmp_path / "preflight"
+    (directory / "slurm").mkdir(parents=True)
+    cfg = load_config(micro_args[1], [a for a in micro_args if "=" in a])
+    (directory / "slurm" / "config.yaml").write_text(dump_yaml(cfg))
+    summary = str(directory / "summary.json")
+    plant(summary, victim, kind)
+    code, err = run_cli(capsys, ["preflight", "--dir", str(directory), "--steps", "1"])
+    assert_untouched(victim)
+    assert code in (0, 1), err[-3000:]  # 1: a check failed (this machine's numbers), not an error
+    assert_untouched(victim, [summary])
+    assert json.load(open(summary))["verdict"] in ("PASS", "FAIL")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # (b) the writer forced onto a planted name
 # ----------------------------------------------------------------------------------------------------------
