@@ -8,7 +8,7 @@ import importlib
 import os
 import sys
 
-from nagmoe.errors import UserError
+from nagmoe.errors import UserError, one_line
 
 # subcommand -> (module under nagmoe.commands, one-line help)
 COMMANDS = {
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     try:
         return int(module.run(args) or 0)
     except UserError as e:
-        print(f"nagmoe {args.command}: error: {e}", file=sys.stderr)
+        print(one_line(f"nagmoe {args.command}: error: {e}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"nagmoe {args.command}: interrupted", file=sys.stderr)
