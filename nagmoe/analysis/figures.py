@@ -3,6 +3,11 @@ run group, a colour per group — draws one figure, writes it to `path` and retu
 there is nothing to draw (the report then says why in words).
 
 Colours are fixed per group across all figures (`palette`), so a run has one colour in the whole report.
+
+Run labels are dir names, drawn as given: every text holding one is drawn with parse_math=False (a `$...$` pair
+in a dir name is not TeX: mathtext would render it, or fail the whole figure on a bad expression), and legends
+are built from explicit (handle, label) entries (`legend`), because matplotlib leaves out of a legend every
+artist whose label starts with `_` (a dir named `_scratch` would vanish).
 """
 from __future__ import annotations
 
@@ -40,6 +45,18 @@ def _save(fig, path: str) -> str:
     return path
 
 
+def legend(ax, entries: list, **kwargs):
+    """A legend of `entries` [(artist, label)] exactly as given: explicit handles and labels (so a label starting
+    with `_` is shown), each label drawn without mathtext. Returns the Legend (None without entries)."""
+    if not entries:
+        return None
+    handles, labels = zip(*entries)
+    drawn = ax.legend(list(handles), [str(label) for label in labels], **kwargs)
+    for text in drawn.get_texts():
+        text.set_parse_math(False)
+    return drawn
+
+
 def smooth(values: list, span: Optional[int] = None) -> list:
     """Exponential moving average with a span of ~5% of the points (at least 1): the noisy per-step training
     loss as a readable line. `span` = 1 returns the values."""
@@ -59,14 +76,16 @@ def loss_curves(curves: dict, colours: dict, path: str) -> Optional[str]:
         return None
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    entries = []
     for group, seeds in curves.items():
         for i, (flops, tokens, loss) in enumerate(seeds):
             if not loss:
                 continue
             y = smooth(loss)
-            label = group if i == 0 else None
-            axes[0].plot(flops, y, color=colours[group], lw=1.4, alpha=0.9, label=label)
-            axes[1].plot(tokens, y, color=colours[group], lw=1.4, alpha=0.9, label=label)
+            line, = axes[0].plot(flops, y, color=colours[group], lw=1.4, alpha=0.9)
+            axes[1].plot(tokens, y, color=colours[group], lw=1.4, alpha=0.9)
+            if not any(label == group for _, label in entries):  # one entry per group (its seeds share a colour)
+                entries.append((line, group))
     for ax, xlabel in zip(axes, ("training FLOPs", "tokens")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("training loss (nats/token, smoothed)")
@@ -74,7 +93,7 @@ def loss_curves(curves: dict, colours: dict, path: str) -> Optional[str]:
         _clip_start(ax, curves)
     axes[0].set_title("loss vs FLOPs (the matched quantity)")
     axes[1].set_title("loss vs tokens seen")
-    axes[0].legend(fontsize=8)
+    legend(axes[0], entries, fontsize=8)
     return _save(fig, path)
 
 
@@ -93,18 +112,21 @@ def val_bpb_points(points: dict, colours: dict, path: str, unigram: Optional[flo
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4))
+    entries = []
     for group, seeds in points.items():
-        for i, seed in enumerate(seeds):
+        for seed in seeds:
             if seed:
                 xs, ys = zip(*seed)
-                ax.plot(xs, ys, "o-", color=colours[group], ms=4, lw=1, label=group if i == 0 else None)
+                line, = ax.plot(xs, ys, "o-", color=colours[group], ms=4, lw=1)
+                if not any(label == group for _, label in entries):
+                    entries.append((line, group))
     if unigram is not None:
-        ax.axhline(unigram, color="k", ls="--", lw=1, label=f"unigram {unigram:.3f}")
+        entries.append((ax.axhline(unigram, color="k", ls="--", lw=1), f"unigram {unigram:.3f}"))
     ax.set_xlabel("training FLOPs")
     ax.set_ylabel("validation bits per byte")
     ax.set_title("validation bpb (lower is better)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    legend(ax, entries, fontsize=8)
     return _save(fig, path)
 
 
@@ -116,17 +138,19 @@ def depth_panels(depth: dict, colours: dict, path: str) -> Optional[str]:
         return None
     plt = _plt()
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    entries = []
     for group, d in depth.items():
         c = colours[group]
         if d.get("norm"):
-            axes[0].plot(range(len(d["norm"])), d["norm"], "o-", ms=3, color=c, label=f"{group} ({d['kind']})")
+            line, = axes[0].plot(range(len(d["norm"])), d["norm"], "o-", ms=3, color=c)
+            entries.append((line, f"{group} ({d['kind']})"))
         if d.get("rotation"):
-            axes[1].plot(range(len(d["rotation"])), d["rotation"], "o-", ms=3, color=c, label=group)
+            axes[1].plot(range(len(d["rotation"])), d["rotation"], "o-", ms=3, color=c)
         bos = [v if v is not None else math.nan for v in (d.get("bos") or [])]
         if bos:
-            axes[2].plot(range(len(bos)), bos, "o-", ms=3, color=c, label=group)
+            axes[2].plot(range(len(bos)), bos, "o-", ms=3, color=c)
         if d.get("gain"):
-            axes[3].plot(range(len(d["gain"])), d["gain"], "o-", ms=3, color=c, label=group)
+            axes[3].plot(range(len(d["gain"])), d["gain"], "o-", ms=3, color=c)
     axes[0].set_yscale("log")
     titles = ("residual norm through depth", "cumulative rotation (rad)", "attention mass on BOS (key 0)",
               "NAG realised gain |alpha m| per sublayer")
@@ -139,7 +163,7 @@ def depth_panels(depth: dict, colours: dict, path: str) -> Optional[str]:
     axes[2].set_ylim(0, 1)
     if not any(d.get("gain") for d in depth.values()):
         axes[3].text(0.5, 0.5, "no NAG run", ha="center", va="center", transform=axes[3].transAxes)
-    axes[0].legend(fontsize=7)
+    legend(axes[0], entries, fontsize=7)
     return _save(fig, path)
 
 
@@ -152,7 +176,7 @@ def router_load_heatmaps(loads: dict, path: str) -> Optional[str]:
     fig, axes = plt.subplots(1, len(loads), figsize=(4.2 * len(loads), 3.8), squeeze=False)
     for ax, (group, load) in zip(axes[0], loads.items()):
         image = ax.imshow(load, aspect="auto", cmap="viridis", vmin=0.0)
-        ax.set_title(f"{group}: router load (1/E = {1 / max(1, len(load[0])):.3f})", fontsize=9)
+        ax.set_title(f"{group}: router load (1/E = {1 / max(1, len(load[0])):.3f})", fontsize=9, parse_math=False)
         ax.set_xlabel("expert")
         ax.set_ylabel("MoE layer")
         fig.colorbar(image, ax=ax, fraction=0.046)
@@ -169,14 +193,14 @@ def skip_through_depth(skips: dict, path: str) -> Optional[str]:
     fig, axes = plt.subplots(1, len(skips), figsize=(5.2 * len(skips), 3.6), squeeze=False)
     for ax, (group, skip) in zip(axes[0], skips.items()):
         blocks = list(range(len(skip) // 2))
-        ax.bar([b - 0.2 for b in blocks], skip[0::2], width=0.4, label="attention")
-        ax.bar([b + 0.2 for b in blocks], skip[1::2], width=0.4, label="FFN / MoE")
-        ax.set_title(f"{group}: skipped token share per sublayer", fontsize=9)
+        bars = (ax.bar([b - 0.2 for b in blocks], skip[0::2], width=0.4),
+                ax.bar([b + 0.2 for b in blocks], skip[1::2], width=0.4))
+        ax.set_title(f"{group}: skipped token share per sublayer", fontsize=9, parse_math=False)
         ax.set_xlabel("block")
         ax.set_ylabel("skipped share (training)")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=8)
+        legend(ax, list(zip(bars, ("attention", "FFN / MoE"))), fontsize=8)
     return _save(fig, path)
 
 
@@ -188,17 +212,18 @@ def confidence_panels(bins: dict, colours: dict, path: str) -> Optional[str]:
         return None
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    entries = []
     for group, rows in bins.items():
         x = [r["mean"] for r in rows]
-        axes[0].plot(x, [r["loss"] for r in rows], "o-", ms=3, color=colours[group], label=group)
-        axes[1].plot(x, [r["top1_acc"] for r in rows], "o-", ms=3, color=colours[group], label=group)
+        entries.append((axes[0].plot(x, [r["loss"] for r in rows], "o-", ms=3, color=colours[group])[0], group))
+        axes[1].plot(x, [r["top1_acc"] for r in rows], "o-", ms=3, color=colours[group])
     for ax, ylabel in zip(axes, ("mean loss (nats)", "top-1 accuracy")):
         ax.set_xlabel("final log-norm s (bin mean)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[0].set_title("loss by final norm (NAG)", fontsize=10)
     axes[1].set_title("top-1 accuracy by final norm (NAG)", fontsize=10)
-    axes[0].legend(fontsize=8)
+    legend(axes[0], entries, fontsize=8)
     return _save(fig, path)
 
 
@@ -212,18 +237,19 @@ def compute_dial(dials: dict, colours: dict, path: str, full_depth: Optional[dic
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4))
+    entries = []
     for group, rows in dials.items():
         xs = [r["flops_vs_full_depth"] for r in rows]
         ys = [r["val_bpb"] for r in rows]
-        ax.plot(xs, ys, "o-", color=colours[group], label=f"{group} (MoD, dial)")
+        entries.append((ax.plot(xs, ys, "o-", color=colours[group])[0], f"{group} (MoD, dial)"))
         for r, x, y in zip(rows, xs, ys):
             ax.annotate(f"{r['skip_rate']:.0%}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     for group, bpb in (full_depth or {}).items():
         if bpb is not None:
-            ax.plot([1.0], [bpb], "s", color=colours[group], label=f"{group} (full depth)")
+            entries.append((ax.plot([1.0], [bpb], "s", color=colours[group])[0], f"{group} (full depth)"))
     ax.set_xlabel("forward FLOPs per token / full depth")
     ax.set_ylabel("validation bits per byte")
     ax.set_title("compute dial: skip rate chosen after training", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    legend(ax, entries, fontsize=8)
     return _save(fig, path)

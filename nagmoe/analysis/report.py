@@ -22,7 +22,8 @@ from typing import Callable, Optional
 from nagmoe.analysis import figures as fig
 from nagmoe.analysis.references import THEIRS
 from nagmoe.analysis.report_data import (FINAL_LOSS_WINDOW, accuracy_noise, find_pairs, group_records, mean_sd,
-                                         measure_checkpoint, noise_statement, read_run, unique_labels)
+                                         measure_checkpoint, noise_statement, problem_text, read_run, unique_labels)
+from nagmoe.errors import one_line
 from nagmoe.safe_files import atomic_writer, write_atomic
 
 REPORT_HTML, REPORT_JSON, FIGURE_DIR = "report.html", "report.json", "figures"
@@ -474,7 +475,7 @@ def write_report(run_dirs: list, out_dir: str, title: Optional[str] = None, desc
         try:
             unigram[data_dir] = unigram_bpb(data_dir)
         except Exception as e:
-            problems.append(f"{data_dir}: no unigram baseline ({type(e).__name__}: {e})")
+            problems.append(f"{one_line(data_dir, 500)}: no unigram baseline ({problem_text(e)})")
     groups = group_records(records)
     colours = fig.palette(list(groups))
     nums = {g: group_numbers(rs) for g, rs in groups.items()}

@@ -21,10 +21,13 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from nagmoe.analysis.report_cache import read_cache
 from nagmoe.config import to_dict
+from nagmoe.errors import UserError, one_line
 from nagmoe.safe_files import atomic_writer
 from nagmoe.train.metrics import plain_json
 
+PROBLEM_CHARS = 600  # one problem line of the report, at most
 FINAL_LOSS_WINDOW = 10  # final training loss = mean over the last this many logged steps
 CACHE_DIR = "data"  # under the report's out dir: per-run analysis/eval JSON, reused while the checkpoint is the same
 # keys that do not change what a run is (for pairing runs into comparisons)
@@ -98,52 +101,58 @@ class RunRecord:
 # Reading
 # ----------------------------------------------------------------------------------------------------------
 def read_run(run_dir: str) -> tuple[Optional[RunRecord], list]:
-    """(record or None, messages). None when the dir cannot be used at all."""
+    """(record or None, messages). None when the dir cannot be used at all: missing, no config.yaml, neither
+    metrics nor a checkpoint, or a file that fails its schema (config.yaml, metrics.jsonl, summary.json,
+    run_info.json: one message naming the file and field)."""
     from nagmoe.checkpoint import latest_valid_checkpoint
-    from nagmoe.train.metrics import read_metrics
-    from nagmoe.checkpoint.run_dir import CONFIG_FILE, RUN_INFO_FILE, SUMMARY_FILE, read_saved_config
+    from nagmoe.checkpoint.run_dir import CONFIG_FILE, SUMMARY_FILE, read_run_info, read_saved_config, read_summary
+    from nagmoe.train.metrics import METRICS_FILE, read_metrics
 
+    where = one_line(run_dir, 500)  # the dir as the Problems section names it: one bounded line
     if not os.path.isdir(run_dir):
-        return None, [f"{run_dir}: not found (not trained yet?); left out"]
+        return None, [f"{where}: not found (not trained yet?); left out"]
     try:
         cfg = read_saved_config(run_dir)
-    except Exception as e:  # a torn or foreign config.yaml
-        return None, [f"{run_dir}: unreadable {CONFIG_FILE} ({type(e).__name__}: {e}); left out"]
+    except Exception as e:  # a torn or foreign config.yaml: UserError, or whatever a parser raised
+        return None, [f"{where}: unreadable {CONFIG_FILE} ({problem_text(e)}); left out"]
     if cfg is None:
-        return None, [f"{run_dir}: not a run dir (no {CONFIG_FILE}); left out"]
-    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+        return None, [f"{where}: not a run dir (no {CONFIG_FILE}); left out"]
+    try:
+        metrics = read_metrics(os.path.join(run_dir, METRICS_FILE))
+        summary = read_summary(run_dir)
+        run_info = read_run_info(run_dir) or {}
+    except UserError as e:  # each names the file, line and field
+        return None, [f"{where}: {problem_text(e)}; left out"]
     try:
         checkpoint = latest_valid_checkpoint(run_dir)
     except Exception as e:
         checkpoint = None
-        notes = [f"checkpoints unreadable ({type(e).__name__}: {e})"]
+        notes = [f"checkpoints unreadable ({problem_text(e)})"]
     else:
         notes = []
     if not metrics and checkpoint is None:
-        return None, [f"{run_dir}: no metrics.jsonl and no valid checkpoint: the run has not trained a step; "
+        return None, [f"{where}: no metrics.jsonl and no valid checkpoint: the run has not trained a step; "
                       "left out"]
     if not metrics:
         notes.append("no metrics.jsonl: no curves, no final loss")
     if checkpoint is None:
         notes.append("no valid checkpoint under checkpoints/: no depth analysis, compute dial or eval score")
-    summary = _read_json(os.path.join(run_dir, SUMMARY_FILE))
     if summary is None:
         notes.append(f"unfinished (no {SUMMARY_FILE}): numbers are from the last logged step")
     name = os.path.basename(os.path.normpath(run_dir))
     m = _LABEL.match(name)
     group, seed = (m.group("group"), int(m.group("seed"))) if m else (name, cfg.train.seed)
-    record = RunRecord(os.path.abspath(run_dir), name, group, seed, cfg, metrics, summary, checkpoint,
-                       _read_json(os.path.join(run_dir, RUN_INFO_FILE)) or {}, notes)
-    return record, [f"{run_dir}: {n}" for n in notes]
+    record = RunRecord(os.path.abspath(run_dir), name, group, seed, cfg, metrics, summary, checkpoint, run_info,
+                       notes)
+    return record, [f"{where}: {n}" for n in notes]
 
 
-def _read_json(path: str) -> Optional[dict]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+def problem_text(error: BaseException) -> str:
+    """An exception as a bounded line for the Problems section: a UserError's message (it names the file and
+    field), anything else with its type; at most a few hundred characters, whatever the exception holds."""
+    text = str(error)[:PROBLEM_CHARS]
+    text = text if isinstance(error, UserError) else f"{type(error).__name__}: {text}"
+    return one_line(text, PROBLEM_CHARS)
 
 
 def unique_labels(records: list) -> None:
@@ -174,9 +183,13 @@ def measure_checkpoint(record: RunRecord, out_dir: str, analysis_tokens: int, ev
     if record.checkpoint is None or (analysis_tokens == 0 and eval_items == 0):
         return []
     cache_path = os.path.join(out_dir, CACHE_DIR, record.label.replace("/", "__") + ".json")
-    cache = _read_json(cache_path) or {}
-    same = cache.get("run_dir") == record.run_dir and cache.get("checkpoint") == record.checkpoint
     problems = []
+    try:
+        cache = read_cache(cache_path) or {}
+    except UserError as e:  # a planted or foreign file in a shared --out dir: named, and the run measured again
+        problems.append(f"{record.label}: report cache {problem_text(e)}; measured again")
+        cache = {}
+    same = cache.get("run_dir") == record.run_dir and cache.get("checkpoint") == record.checkpoint
     if analysis_tokens:
         if (same and cache.get("analysis_tokens") == analysis_tokens and cache.get("analysis")
                 and "router" in cache["analysis"]):  # analyses cached before the router section: redo
@@ -194,16 +207,16 @@ def measure_checkpoint(record: RunRecord, out_dir: str, analysis_tokens: int, ev
                     record.analysis["through_training"] = plain_json(
                         analyze_milestones(record.run_dir, device, analysis_tokens))
             except Exception as e:
-                problems.append(f"{record.run_dir}: depth analysis failed ({type(e).__name__}: {e})")
+                problems.append(f"{one_line(record.run_dir, 500)}: depth analysis failed ({problem_text(e)})")
     if eval_items:
         if same and cache.get("eval_items") == eval_items and cache.get("eval"):
             record.eval = cache["eval"]
         else:
             log(f"[report] {record.label}: eval (shakespeare next-line task, {eval_items} items)")
             try:
-                record.eval = run_eval(record.run_dir, device, eval_items)
+                record.eval = plain_json(run_eval(record.run_dir, device, eval_items))  # NaN -> null
             except Exception as e:
-                problems.append(f"{record.run_dir}: eval failed ({type(e).__name__}: {e})")
+                problems.append(f"{one_line(record.run_dir, 500)}: eval failed ({problem_text(e)})")
     os.makedirs(os.path.dirname(cache_path), exist_ok=True)
     with atomic_writer(cache_path) as f:  # a fresh temporary, renamed (nagmoe.safe_files)
         json.dump({"run_dir": record.run_dir, "checkpoint": record.checkpoint,

@@ -18,7 +18,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from nagmoe.errors import UserError
+from nagmoe.errors import UserError, shown
+from nagmoe.read_files import expect, expect_object, loads_json, read_json, read_text
 from nagmoe.safe_files import write_atomic
 
 CHECKPOINTS = "checkpoints"
@@ -109,14 +110,14 @@ def verify_checkpoint(path: str) -> dict:
         raise UserError(f"checkpoint {path} does not exist or is not a directory")
     if not os.path.isfile(manifest_path):
         raise UserError(f"checkpoint {path} has no {MANIFEST} (incomplete checkpoint)")
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"checkpoint manifest {manifest_path} is unreadable ({type(e).__name__})") from None
+    where = f"checkpoint manifest {shown(manifest_path)}"
+    manifest = expect_object(loads_json(read_text(manifest_path), f"{where} is unreadable"), where)
+    files = expect(manifest, "files", dict, where)
     if STATE not in files:
         raise UserError(f"checkpoint manifest {manifest_path} does not list {STATE}")
+    for rel, entry in files.items():  # the schema first: every entry {"sha256": str, "bytes": int}
+        expect(expect_object(entry, f"{where} files[{shown(rel)}]"), "sha256", str, f"{where} files[{shown(rel)}]")
+        expect(entry, "bytes", int, f"{where} files[{shown(rel)}]")
     for rel, entry in files.items():  # cheap checks first: a missing or truncated file needs no hashing
         file_path = os.path.join(path, rel)
         if os.path.isabs(rel) or ".." in rel.split("/") or not os.path.isfile(file_path):
@@ -146,7 +147,35 @@ def extra_with_step(state: dict) -> dict:
     return {**state["extra"], "step": state["step"]}
 
 
+# state.json's fields as its readers rely on them (loads, resume layout checks, pruning, the analysis)
+PROGRESS_FIELDS = {"step": int, "tokens": int, "flops": (int, float), "wall_s": (int, float),
+                   "nonfinite_skipped": int}
+
+
 def read_checkpoint_state(path: str) -> dict:
-    """The checkpoint's state.json: {"format", "step", "rng", "extra"[, "layout"]} (no verification)."""
-    with open(os.path.join(path, STATE)) as f:
-        return json.load(f)
+    """The checkpoint's state.json: {"format", "step", "rng", "extra"[, "layout"]} (no verification), checked:
+    `format` an integer or string, `step` a non-negative integer, `rng` a list, `extra` an object (its
+    `milestone` a boolean, its `progress` an object of PROGRESS_FIELDS, its `loader` an object), `layout` an
+    object of integers. Anything else is a UserError naming the file and field."""
+    file = os.path.join(path, STATE)
+    where = shown(file)
+    state = expect_object(read_json(file), where)
+    expect(state, "format", (int, str), where)
+    if expect(state, "step", int, where) < 0:
+        raise UserError(f"{where}: field 'step' must be >= 0, got {state['step']}")
+    expect(state, "rng", list, where)
+    extra = expect(state, "extra", dict, where)
+    expect(extra, "milestone", bool, f"{where} extra", required=False)
+    expect(extra, "loader", dict, f"{where} extra", required=False)
+    progress = expect(extra, "progress", dict, f"{where} extra", required=False) or {}
+    for key, kinds in PROGRESS_FIELDS.items():
+        expect(progress, key, kinds, f"{where} extra.progress", required=False)
+    expect(progress, "mod_account", (dict, type(None)), f"{where} extra.progress", required=False)
+    unknown = sorted(set(progress) - set(PROGRESS_FIELDS) - {"mod_account"})
+    if unknown:  # the trainer builds its Progress from these keys
+        raise UserError(f"{where} extra.progress: unknown field(s) {shown(unknown)}")
+    layout = expect(state, "layout", (dict, type(None)), where, required=False) or {}
+    for key, value in layout.items():
+        if value is not None:
+            expect(layout, key, int, f"{where} layout")
+    return state

@@ -17,6 +17,7 @@ import shutil
 
 from nagmoe.checkpoint.files import (CHECKPOINTS, MANIFEST, STATE, checkpoint_name, describe_files,
                                      is_valid_checkpoint, list_checkpoints, read_checkpoint_state, write_json)
+from nagmoe.errors import UserError
 from nagmoe.safe_files import fsync_dir, make_temp_dir
 
 TMP_MARK = ".tmp-"  # step_N.tmp-<tag>: files.TMP_DIR
@@ -59,8 +60,8 @@ def remove_dir(path: str, tag: str) -> None:
 def is_milestone(path: str) -> bool:
     """A checkpoint saved as a milestone (`train.keep_milestone_every_tokens`): never pruned."""
     try:
-        return bool(read_checkpoint_state(path).get("extra", {}).get("milestone", False))
-    except (OSError, ValueError):
+        return bool(read_checkpoint_state(path)["extra"].get("milestone", False))
+    except UserError:  # an unreadable or foreign state.json (read_checkpoint_state's schema): not a milestone
         return False
 
 

@@ -7,15 +7,11 @@ from torch import nn
 
 from nagmoe.checkpoint import deepspeed_layout, torch_layout
 from nagmoe.checkpoint.files import extra_with_step, read_checkpoint_state, verify_checkpoint
-from nagmoe.errors import UserError
 
 
 def checkpoint_format(path: str):
     """state.json's "format" of checkpoint `path` (call after verifying it)."""
-    try:
-        return read_checkpoint_state(path).get("format")
-    except (OSError, ValueError, AttributeError) as e:
-        raise UserError(f"checkpoint {path}: unreadable state.json ({type(e).__name__})") from None
+    return read_checkpoint_state(path)["format"]  # checked (read_checkpoint_state: a bad one is a UserError)
 
 
 def load_model_weights(path: str, model: nn.Module, verified: bool = False) -> dict:

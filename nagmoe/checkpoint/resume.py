@@ -103,13 +103,10 @@ def saved_layout(path: str, run_dir: str) -> dict:
     last start's (a resume refused here has not written it)."""
     from nagmoe.checkpoint.run_dir import read_saved_config
 
-    try:
-        state = read_checkpoint_state(path)
-        rngs, layout = state.get("rng"), state.get("layout") or {}
-        world_size = layout.get("world_size", len(rngs) if isinstance(rngs, list) else None)
-        ep = layout.get("ep")
-    except (OSError, ValueError, AttributeError) as e:
-        raise UserError(f"checkpoint {path}: unreadable state.json ({type(e).__name__})") from None
+    state = read_checkpoint_state(path)  # checked: `rng` a list, `layout` an object of integers (else UserError)
+    layout = state.get("layout") or {}
+    world_size = layout.get("world_size", len(state["rng"]))
+    ep = layout.get("ep")
     config = read_saved_config(run_dir)
     return {"world_size": world_size, "ep": ep if ep is not None else config.parallel.ep if config is not None else 1,
             "micro_batch_tokens": config.train.micro_batch_tokens if config is not None else None}

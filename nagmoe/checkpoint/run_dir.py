@@ -5,13 +5,15 @@ import copy
 import json
 import os
 import platform
+import stat
 import subprocess
 import sys
 import time
 
 from nagmoe.config import (RESUMABLE_KEYS, Config, config_from_dict, dump_yaml, missing_legacy_keys, set_key, to_dict,
                            yaml_load)
-from nagmoe.errors import UserError
+from nagmoe.errors import UserError, shown
+from nagmoe.read_files import NUMBER, expect, expect_object, read_json
 from nagmoe.safe_files import write_atomic
 from nagmoe.schema import RESUMABLE_LAYOUT_KEYS
 
@@ -110,19 +112,40 @@ def _replace_json(path: str, obj) -> None:
     write_atomic(path, json.dumps(obj, indent=1), durable=True)
 
 
-def update_run_info(run_dir: str, key: str, value) -> bool:
-    """Set one key of this start's run_info.json (atomically; the rest, `previous` included, kept). False, and
-    nothing written, when the file is missing or not a JSON object (someone else's file is not rewritten)."""
+def read_run_info(run_dir: str, own_only: bool = False) -> dict | None:
+    """run_info.json checked for what its readers rely on (None when there is none): an object whose `previous`
+    (the earlier starts) is a list of objects and whose `git_commit` is a string; anything else is a UserError
+    naming the file and field, so a resume stops before it rewrites the file and loses its history.
+
+    `own_only` (the trainer, which replaces the file): a symlink or a hard link planted at the name is not this
+    run's file, so it is neither read nor taken for a history (None); the rename that follows replaces it."""
     path = os.path.join(run_dir, RUN_INFO_FILE)
     try:
-        with open(path) as f:
-            info = json.load(f)
-    except (OSError, ValueError):
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if own_only and (stat.S_ISLNK(st.st_mode) or st.st_nlink > 1):
+        return None
+    where = shown(path)
+    info = expect_object(read_json(path), where)
+    for i, start in enumerate(expect(info, "previous", list, where, required=False, default=[])):
+        expect_object(start, f"{where} previous[{i}]")
+    expect(info, "git_commit", str, where, required=False)
+    return info
+
+
+def update_run_info(run_dir: str, key: str, value) -> bool:
+    """Set one key of this start's run_info.json (atomically; the rest, `previous` included, kept). False, and
+    nothing written, when the file is missing or does not pass `read_run_info` (someone else's file is not
+    rewritten; this start's was checked when it was written)."""
+    try:
+        info = read_run_info(run_dir, own_only=True)
+    except UserError:
         return False
-    if not isinstance(info, dict):
+    if info is None:
         return False
     info[key] = value
-    _replace_json(path, info)
+    _replace_json(os.path.join(run_dir, RUN_INFO_FILE), info)
     return True
 
 
@@ -143,18 +166,37 @@ def write_run_info(run_dir: str, backends: dict, device: str, extra: dict | None
         "backends": backends,
         **(extra or {}),
     }
-    path = os.path.join(run_dir, RUN_INFO_FILE)
-    history = []
-    if os.path.isfile(path):  # keep earlier (pre-resume) starts
-        try:
-            with open(path) as f:
-                prev = json.load(f)
-            history = prev.get("previous", []) + [{k: v for k, v in prev.items() if k != "previous"}]
-        except (OSError, ValueError):
-            history = []
-    info["previous"] = history
-    _replace_json(path, info)
+    prev = read_run_info(run_dir, own_only=True)  # earlier starts kept; a bad file: UserError, nothing written
+    info["previous"] = [] if prev is None else prev.get("previous", []) + [
+        {k: v for k, v in prev.items() if k != "previous"}]
+    _replace_json(os.path.join(run_dir, RUN_INFO_FILE), info)
     return info
+
+
+# summary.json's fields as its readers (the report, `nagmoe flops --run-dir`) rely on them; each may be absent
+# (older runs) or null (nothing measured), else of this type.
+SUMMARY_FIELDS = {"val_bpb": NUMBER, "steps": int, "tokens": NUMBER, "flops": NUMBER, "wall_time_s": NUMBER,
+                  "skip_rate": NUMBER, "run_skip_rate": NUMBER, "flops_executed": NUMBER, "flop_budget": NUMBER,
+                  "executed_fractions": (list, *NUMBER), "skip_per_sublayer": list}
+NUMBER_LISTS = ("executed_fractions", "skip_per_sublayer")
+
+
+def read_summary(run_dir: str) -> dict | None:
+    """summary.json checked against SUMMARY_FIELDS (None when there is none; a bad one is a UserError naming
+    the file and field)."""
+    path = os.path.join(run_dir, SUMMARY_FILE)
+    if not os.path.lexists(path):
+        return None
+    where = shown(path)
+    summary = expect_object(read_json(path), where)
+    for key, kinds in SUMMARY_FIELDS.items():
+        if summary.get(key) is not None:
+            expect(summary, key, kinds, where)
+    for key in NUMBER_LISTS:
+        if isinstance(summary.get(key), list):
+            for i, value in enumerate(summary[key]):
+                expect({f"{key}[{i}]": value}, f"{key}[{i}]", NUMBER, where)
+    return summary
 
 
 def write_summary(run_dir: str, summary: dict) -> None:

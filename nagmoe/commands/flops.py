@@ -4,7 +4,7 @@ each, and the skip rate that would give the paper's x1.218 in each."""
 import json
 
 from nagmoe.commands.common import add_config_arguments, config_from_args
-from nagmoe.errors import UserError
+from nagmoe.errors import UserError, shown
 
 
 def add_arguments(p):
@@ -19,14 +19,14 @@ def _executed(args, cfg):
     if args.run_dir is not None:
         import os
 
-        path = os.path.join(args.run_dir, "summary.json")
-        if not os.path.isfile(path):
-            raise UserError(f"{path}: no summary.json in the run dir")
-        with open(path) as f:
-            summary = json.load(f)
+        from nagmoe.checkpoint.run_dir import read_summary
+
+        summary = read_summary(args.run_dir)  # the fields used here checked (a bad one: UserError)
+        if summary is None:
+            raise UserError(f"{shown(os.path.join(args.run_dir, 'summary.json'))}: no summary.json in the run dir")
         fr = summary.get("executed_fractions")
         if fr is None:
-            skip = float(summary.get("skip_rate", 0.0))
+            skip = float(summary.get("skip_rate") or 0.0)
             return 1.0 - skip
         return fr
     if args.executed is not None:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
+from nagmoe.errors import UserError, shown
+from nagmoe.read_files import NUMBER, expect, expect_object, loads_json
 from nagmoe.safe_files import atomic_writer, open_append
 
 METRICS_FILE = "metrics.jsonl"
@@ -63,44 +65,95 @@ class MetricsWriter:
         self.close()
 
 
+# The schema of a record, as its readers rely on it: every line the trainer writes has a step, the tokens and the
+# FLOPs so far; the other numbers the report and the tests read are numbers or null (NaN/inf were made null).
+RECORD_FIELDS = {"step": int, "tokens": NUMBER, "flops": NUMBER}
+NUMBER_OR_NULL_FIELDS = ("loss", "val_bpb", "tokens_per_s", "skip_rate", "lr_mult")
+
+
+def _lines(path: str):
+    """(where, line, record) of each line of `path` (UTF-8, streamed), parsed; a torn last line (invalid JSON
+    without its newline: what a crash mid-append leaves) is skipped. Any other line that is not a JSON object —
+    corruption, not a crash — is a UserError naming the file and line; so is nesting too deep."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            number, line = 0, f.readline()
+            while line:
+                number, following = number + 1, f.readline()
+                where = f"{shown(path)} line {number}"
+                try:
+                    record = loads_json(line, where)
+                except UserError:
+                    if following or line.endswith("\n") or not _is_torn(line):
+                        raise
+                else:
+                    yield where, line, expect_object(record, where)
+                line = following
+    except UnicodeDecodeError as e:
+        raise UserError(f"{shown(path)}: not UTF-8 text (after line {number})") from None
+    except OSError as e:
+        raise UserError(f"{shown(path)}: cannot read it ({e.strerror or type(e).__name__})") from None
+
+
+def _is_torn(line: str) -> bool:
+    """A prefix of a line the writer could have written: plain invalid JSON (not nesting too deep)."""
+    try:
+        json.loads(line)
+    except RecursionError:
+        return False
+    except ValueError:
+        return True
+    return False
+
+
+def check_record(record: dict, where: str) -> dict:
+    """A metrics record with the fields its readers rely on (RECORD_FIELDS, NUMBER_OR_NULL_FIELDS) typed."""
+    for key, kinds in RECORD_FIELDS.items():
+        expect(record, key, kinds, where)
+    for key in NUMBER_OR_NULL_FIELDS:
+        if record.get(key) is not None:
+            expect(record, key, NUMBER, where)
+    return record
+
+
 def read_metrics(path: str) -> list[dict]:
-    """All parseable records of a metrics file (a torn last line from a crash is skipped)."""
+    """Every record of a metrics file, checked (`check_record`); a torn last line from a crash is skipped, any
+    other bad line is a UserError naming the file, line and field. A missing file has no records."""
     if not os.path.exists(path):
         return []
-    records = []
-    with open(path) as f:
-        for line in f:
-            record = _parse(line)
-            if record is not None:
-                records.append(record)
-    return records
+    return [check_record(record, where) for where, _, record in _lines(path)]
 
 
-def _parse(line: str) -> Optional[dict]:
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
+def _step(record: dict, where: str):
+    """The record's step as the resume's truncation relies on it: absent, null or an integer."""
+    return None if record.get("step") is None else expect(record, "step", int, where)
+
+
+def check_metrics_steps(path: str) -> None:
+    """What `truncate_metrics` will read, checked before a resume writes anything (a missing file is fine; a
+    link there is refused as the append would refuse it, and not read)."""
+    if os.path.lexists(path):
+        open_append(path).close()
+        for where, _, record in _lines(path):
+            _step(record, where)
 
 
 def truncate_metrics(path: str, step: int) -> int:
-    """Drop every record with `step` > the given step (and unparseable lines); atomic rewrite.
+    """Drop every record with `step` > the given step (and a torn last line); atomic rewrite.
 
-    Records without a `step` key are kept. Returns the number of records kept; a missing file is a no-op.
+    Records without a `step` key are kept; a `step` that is not an integer, or a line that is not a JSON object
+    (other than a torn last one), is a UserError naming the file, line and field, and nothing is rewritten.
+    Returns the number of records kept; a missing file is a no-op.
     """
     if not os.path.lexists(path):
         return 0
     open_append(path).close()  # the checks of the append that follows (a link there: UserError), nothing written
     kept = []
-    with open(path) as f:
-        for line in f:
-            record = _parse(line)
-            if record is None:
-                continue
-            if "step" in record and record["step"] is not None and record["step"] > step:
-                continue
-            kept.append(line if line.endswith("\n") else line + "\n")
+    for where, line, record in _lines(path):  # every line checked before anything is rewritten
+        record_step = _step(record, where)
+        if record_step is not None and record_step > step:
+            continue
+        kept.append(line if line.endswith("\n") else line + "\n")
     with atomic_writer(path, durable=True) as f:
         f.writelines(kept)
     return len(kept)

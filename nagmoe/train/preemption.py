@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Callable, NoReturn, Optional
 
+from nagmoe.errors import shown
+from nagmoe.read_files import expect, expect_object, read_json
 from nagmoe.safe_files import atomic_writer, write_atomic
 
 REQUEST_FILE = "preempt.request"
@@ -80,12 +82,19 @@ def _remove_quietly(path: str) -> None:
 
 
 def read_marker(run_dir: str) -> Optional[dict]:
-    """The marker of a preempted run (None when the run was not preempted or has resumed since)."""
-    try:
-        with open(os.path.join(run_dir, MARKER_FILE)) as f:
-            return json.load(f)
-    except FileNotFoundError:
+    """The marker of a preempted run (None when the run was not preempted or has resumed since), checked for
+    the fields its readers rely on: `step` an integer, `checkpoint` and `reason` strings, `slurm_restart_count`
+    an integer or null. Anything else is a UserError naming the file and field."""
+    path = os.path.join(run_dir, MARKER_FILE)
+    if not os.path.lexists(path):
         return None
+    where = shown(path)
+    marker = expect_object(read_json(path), where)
+    expect(marker, "step", int, where)
+    expect(marker, "checkpoint", str, where)
+    expect(marker, "reason", str, where)
+    expect(marker, "slurm_restart_count", (int, type(None)), where, required=False)
+    return marker
 
 
 def request_stop(run_dir: str, reason: str = "request") -> str:

@@ -41,7 +41,7 @@ from nagmoe.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoin
 from nagmoe.checkpoint.lease import RunDirLease
 from nagmoe.model.router_health import RouterTelemetry
 from nagmoe.train.mod_accounting import ModAccount
-from nagmoe.train.metrics import MetricsWriter, truncate_metrics
+from nagmoe.train.metrics import MetricsWriter, check_metrics_steps, truncate_metrics
 from nagmoe.train.optim import build_optimizers
 from nagmoe.train.host_copy import to_device
 from nagmoe.train.guards import (
@@ -49,8 +49,8 @@ from nagmoe.train.guards import (
     locate_nonfinite, nonfinite_message, realised_gains, warn)
 from nagmoe.train.preemption import PreemptionWatch
 from nagmoe.train.precision_context import TrainingPrecision, reusable_autocast
-from nagmoe.checkpoint.run_dir import (adopt_legacy_values, prepare_run_dir, update_run_info, write_run_info,
-                                      write_summary)
+from nagmoe.checkpoint.run_dir import (adopt_legacy_values, prepare_run_dir, read_run_info, update_run_info,
+                                      write_run_info, write_summary)
 from nagmoe.train.backends_ran import collect as collect_backends_ran, merge as merge_backends_ran
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
 from nagmoe.train.checkpoint_schedule import CheckpointSchedule, save_error
@@ -91,6 +91,14 @@ def resolved_backends(model) -> dict:
     if hasattr(stream, "impl"):  # the NAG update and modulator (model.nag.impl)
         out[f"{type(stream).__name__}.impl"] = stream.impl
     return out
+
+
+def check_history_files(run_dir: str) -> None:
+    """The schemas of the history files a start rewrites (run_info.json) or truncates (metrics.jsonl), checked
+    before it writes anything: a bad one is a UserError naming the file and field, and the run dir stays as it
+    was."""
+    read_run_info(run_dir, own_only=True)
+    check_metrics_steps(os.path.join(run_dir, "metrics.jsonl"))
 
 
 class Trainer:
@@ -139,6 +147,7 @@ class Trainer:
         try:
             started = time.perf_counter()
             latest = mesh.on_rank0(lambda: resume_checkpoint(run_dir, force))  # refuses if none is valid
+            mesh.on_rank0(lambda: check_history_files(run_dir))  # a bad one: exit 2 before anything is written
             if latest is not None:
                 self._log(f"verified {latest} in {time.perf_counter() - started:.1f} s")
                 # every rank: the keys the run dir's config predates keep their legacy values
