@@ -19,7 +19,8 @@ import torch
 
 from nagmoe.checkpoint.files import read_checkpoint_state, verify_checkpoint
 from nagmoe.checkpoint.safe_dcp import weights_only_load
-from nagmoe.errors import UserError
+from nagmoe.errors import UserError, shown
+from nagmoe.read_files import expect
 from nagmoe.safe_files import atomic_writer
 
 FORMAT = "deepspeed-1"  # state.json "format" of a DeepSpeed checkpoint (the torch engine refuses it)
@@ -81,7 +82,7 @@ def deepspeed_model_state(path: str, verified: bool = False) -> dict:
     state = read_checkpoint_state(path)
     if state.get("format") != FORMAT:
         raise UserError(f"checkpoint {path}: format {state.get('format')!r} is not a DeepSpeed checkpoint")
-    ep = state["layout"]["ep"]
+    ep = expect(state.get("layout") or {}, "ep", int, f"{shown(os.path.join(path, 'state.json'))} layout")
     module_file = os.path.join(path, MODEL_STATES)
     out = dict(weights_only_load(module_file, module_file, "cpu")["module"])
     owns = [read_own_state(path, r) for r in range(ep)]

@@ -270,9 +270,10 @@ def _legend_spy(monkeypatch):
 
     def savefig(fig, *args, **kwargs):
         texts = [t for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        titles = [ax.title for ax in fig.axes if ax.get_title()]
         seen.append({"labels": [t.get_text() for t in texts],
-                     "math": [t.get_text() for t in texts if t.get_parse_math()],
-                     "titles": [ax.title for ax in fig.axes]})
+                     "math": [t.get_text() for t in texts + titles if t.get_parse_math() and "$" in t.get_text()],
+                     "titles": [t.get_text() for t in titles]})
         return real(fig, *args, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
@@ -330,3 +331,35 @@ def test_one_report_over_a_good_run_and_a_broken_run_of_each_kind(good_run, tmp_
     loss = next(s for s in seen if "good" in s["labels"])  # the loss curves: every rendered run in its legend
     assert {"good", "_lead", r"tex-$\frac{$-x"} <= set(loss["labels"]) and not loss["math"], loss
     assert all(not s["math"] for s in seen)
+
+
+def test_every_figure_draws_run_labels_as_given(tmp_path, monkeypatch):
+    """Each figure that names run groups: a `$...$` label is text (never mathtext: this one would not even parse),
+    and a label starting with `_` is in the legend (matplotlib leaves such artists out of an automatic legend)."""
+    from nagmoe.analysis import figures as fig
+
+    groups = ["_lead", r"tex-$\frac{$-x"]
+    colours = fig.palette(groups)
+    seen = _legend_spy(monkeypatch)
+    drawn = {
+        "loss_curves": fig.loss_curves({g: [([1, 2], [1, 2], [3.0, 2.0])] for g in groups}, colours,
+                                       str(tmp_path / "a.png")),
+        "val_bpb": fig.val_bpb_points({g: [[(1, 2.0)]] for g in groups}, colours, str(tmp_path / "b.png"), 3.0),
+        "depth": fig.depth_panels({g: {"norm": [1, 2], "rotation": [0, 1], "bos": [0.5], "gain": [1.0],
+                                       "kind": "nag"} for g in groups}, colours, str(tmp_path / "c.png")),
+        "confidence": fig.confidence_panels({g: [{"mean": 1, "loss": 2, "top1_acc": 0.5}] for g in groups}, colours,
+                                            str(tmp_path / "d.png")),
+        "compute_dial": fig.compute_dial({g: [{"skip_rate": 0.1, "flops_vs_full_depth": 0.9, "val_bpb": 2.0}]
+                                          for g in groups}, colours, str(tmp_path / "e.png"), {g: 2.0 for g in groups}),
+        "router_load": fig.router_load_heatmaps({g: [[0.5, 0.5]] for g in groups}, str(tmp_path / "f.png")),
+        "mod_skip_depth": fig.skip_through_depth({g: [0.1, 0.2] for g in groups}, str(tmp_path / "g.png")),
+    }
+    assert all(os.path.isfile(path) for path in drawn.values()), drawn
+    by_name = dict(zip(drawn, seen))
+    for name in ("loss_curves", "val_bpb", "depth", "confidence", "compute_dial"):
+        labels = " | ".join(by_name[name]["labels"])
+        assert all(g in labels for g in groups), (name, labels)
+    for name in ("router_load", "mod_skip_depth"):
+        assert all(any(g in t for t in by_name[name]["titles"]) for g in groups), by_name[name]
+    assert all(not s["math"] for s in seen), seen
+
