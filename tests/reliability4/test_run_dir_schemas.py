@@ -154,6 +154,8 @@ BREAKAGES = {
         "deep": (lambda d: edit_json(os.path.join(d, "summary.json"), lambda s: DEEP), "nested"),
         "string number": (lambda d: edit_json(os.path.join(d, "summary.json"), lambda s: {**s, "val_bpb": "1.5"}),
                           "'val_bpb'"),
+        "string fractions": (lambda d: edit_json(os.path.join(d, "summary.json"),
+                                                 lambda s: {**s, "executed_fractions": "all"}), "'executed_fractions'"),
     },
     "run_info.json": {
         "deep": (lambda d: edit_json(os.path.join(d, "run_info.json"), lambda s: DEEP), "nested"),
@@ -257,6 +259,33 @@ def test_a_resume_on_a_wrong_typed_file_is_one_line_and_loses_nothing(kind, brea
     assert len(errors) == 1 and len(errors[0]) <= MAX_MESSAGE, err[-3000:]
     assert kind in errors[0] and field in errors[0], errors[0]
     assert snapshot(run_dir) == before  # nothing rewritten, truncated or lost
+
+
+# the other commands that read a run dir's files: (file kind, breakage, argv after the run dir is known)
+COMMANDS = {
+    "flops": ("summary.json", "string fractions",
+              lambda d: ["flops", "--config", os.path.join(d, "config.yaml"), "--run-dir", d]),
+    "eval": ("state.json", "string step", lambda d: ["eval", "--run-dir", d, "--offline-items", "2", "--device",
+                                                     "cpu"]),
+    "analyze": ("state.json", "list layout", lambda d: ["analyze", "--run-dir", d, "--out",
+                                                        os.path.join(d, "a.json"), "--tokens", "64", "--device",
+                                                        "cpu"]),
+    "consolidate": ("state.json", "string progress", lambda d: ["consolidate", d]),
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_reading_the_file_says_one_line(command, good_run, tmp_path, capsys):
+    kind, breakage, argv = COMMANDS[command]
+    run_dir = copy_of(good_run, tmp_path, "run")
+    brk, field = BREAKAGES[kind][breakage]
+    brk(run_dir)
+    torch.set_num_threads(1)
+    code = main(argv(run_dir))
+    out, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in out + err, err[-3000:]
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and kind in errors[0] and field in errors[0], err[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------------------
