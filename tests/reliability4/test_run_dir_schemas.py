@@ -23,7 +23,21 @@ from nagmoe.errors import UserError
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_MESSAGE = 4000  # nagmoe.errors.MAX_MESSAGE: the longest error or warning line
 DEEP = "[" * 100_000  # RecursionError in json.loads on c9620be
-STATE = os.path.join("checkpoints", "step_000002", "state.json")
+
+
+def latest(run_dir):
+    """The run's newest checkpoint dir (the one every reader and a resume use)."""
+    from nagmoe.checkpoint.files import list_checkpoints
+
+    return list_checkpoints(run_dir)[-1][1]
+
+
+def state_file(run_dir):
+    return os.path.relpath(os.path.join(latest(run_dir), "state.json"), run_dir)
+
+
+def manifest_file(run_dir):
+    return os.path.join(latest(run_dir), "manifest.json")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -41,11 +55,12 @@ def micro_args(request):
 @pytest.fixture(scope="module")
 def good_run(micro_args, tmp_path_factory):
     """A finished run dir: 2 steps of the micro config, its checkpoint at step 2, metrics, summary, run_info.
-    (Its only end-to-end train. To share another module's run instead, return a copy of that run dir here.)"""
+    This module's only end-to-end train. The tests read nothing of it by step number, so another module's finished
+    run can replace it: return a copy of that run dir here (e.g. of tests/reliability4/conftest.py's run)."""
     run_dir = str(tmp_path_factory.mktemp("good") / "run")
     torch.set_num_threads(1)
     code = main(["train", "--run-dir", run_dir, *micro_args, "train.max_steps=2", "train.checkpoint_every=2"])
-    assert code == 0 and os.path.isfile(os.path.join(run_dir, STATE))
+    assert code == 0 and os.path.isfile(os.path.join(run_dir, state_file(run_dir)))
     return run_dir
 
 
@@ -86,7 +101,7 @@ def edit_checkpoint_file(run_dir, rel, edit):
 
 
 def with_marker(run_dir):
-    marker = {"step": 2, "checkpoint": os.path.join(run_dir, "checkpoints", "step_000002"), "reason": "SIGUSR1",
+    marker = {"step": 2, "checkpoint": latest(run_dir), "reason": "SIGUSR1",
               "time": "2026-01-01T00:00:00+0000", "slurm_job_id": None, "slurm_restart_count": 0}
     with open(os.path.join(run_dir, "preempted.json"), "w") as f:
         json.dump(marker, f)
@@ -118,7 +133,7 @@ def _readers():
     from nagmoe.train.metrics import read_metrics, truncate_metrics
     from nagmoe.train.preemption import read_marker
 
-    ckpt = lambda d: os.path.join(d, "checkpoints", "step_000002")  # noqa: E731
+    ckpt = latest
     return {
         "metrics.jsonl": [lambda d: read_metrics(os.path.join(d, "metrics.jsonl")),
                           lambda d: truncate_metrics(os.path.join(d, "metrics.jsonl"), 1)],
@@ -164,18 +179,16 @@ BREAKAGES = {
         "list": (lambda d: edit_json(os.path.join(d, "run_info.json"), lambda s: [s]), "object"),
     },
     "state.json": {
-        "deep": (lambda d: edit_checkpoint_file(d, STATE, lambda s: DEEP), "nested"),
-        "string step": (lambda d: edit_checkpoint_file(d, STATE, lambda s: {**s, "step": "2"}), "'step'"),
-        "string progress": (lambda d: edit_checkpoint_file(d, STATE, lambda s: {
+        "deep": (lambda d: edit_checkpoint_file(d, state_file(d), lambda s: DEEP), "nested"),
+        "string step": (lambda d: edit_checkpoint_file(d, state_file(d), lambda s: {**s, "step": "2"}), "'step'"),
+        "string progress": (lambda d: edit_checkpoint_file(d, state_file(d), lambda s: {
             **s, "extra": {**s["extra"], "progress": {**s["extra"]["progress"], "tokens": "512"}}}), "'tokens'"),
-        "list layout": (lambda d: edit_checkpoint_file(d, STATE, lambda s: {**s, "layout": [1]}), "'layout'"),
+        "list layout": (lambda d: edit_checkpoint_file(d, state_file(d), lambda s: {**s, "layout": [1]}), "'layout'"),
     },
     "manifest.json": {
-        "deep": (lambda d: edit_json(os.path.join(d, "checkpoints", "step_000002", "manifest.json"),
-                                     lambda s: DEEP), "nested"),
-        "string bytes": (lambda d: edit_json(os.path.join(d, "checkpoints", "step_000002", "manifest.json"),
-                                             lambda s: {**s, "files": {k: {**v, "bytes": str(v["bytes"])}
-                                                                       for k, v in s["files"].items()}}), "'bytes'"),
+        "deep": (lambda d: edit_json(manifest_file(d), lambda s: DEEP), "nested"),
+        "string bytes": (lambda d: edit_json(manifest_file(d), lambda s: {
+            **s, "files": {k: {**v, "bytes": str(v["bytes"])} for k, v in s["files"].items()}}), "'bytes'"),
     },
     "preempted.json": {
         "deep": (lambda d: (with_marker(d), edit_json(os.path.join(d, "preempted.json"), lambda s: DEEP)), "nested"),
@@ -216,7 +229,7 @@ def test_every_reader_names_the_file_and_field(kind, breakage, good_run, tmp_pat
     if kind == "run_info.json":  # mid-run bookkeeping never rewrites a file it cannot read
         assert others["update_run_info"](run_dir, "backends_ran", {}) is False
     if kind == "state.json":  # pruning and listing do not depend on it: the checkpoint still verifies
-        assert others["latest"](run_dir).endswith("step_000002")
+        assert others["latest"](run_dir) == latest(run_dir)
 
 
 def test_a_torn_last_metrics_line_is_what_a_crash_leaves_and_is_skipped(good_run, tmp_path):
