@@ -30,11 +30,9 @@ from typing import Optional
 
 from nagmoe.errors import UserError
 from nagmoe.safe_files import write_atomic
-from nagmoe.settings import env_seconds
+from nagmoe.settings import lease_intervals
 
 LEASE_FILE = "lease.json"
-STALE_ENV, REFRESH_ENV = "NAGMOE_LEASE_STALE_S", "NAGMOE_LEASE_REFRESH_S"
-DEFAULT_STALE_S, DEFAULT_REFRESH_S = 600.0, 5.0
 
 log = logging.getLogger("nagmoe.checkpoint")
 
@@ -71,8 +69,7 @@ class RunDirLease:
     def __init__(self, run_dir: str, force: bool = False):
         self.run_dir, self.force = run_dir, force
         self.path = os.path.join(run_dir, LEASE_FILE)
-        self.stale_s = env_seconds(STALE_ENV, DEFAULT_STALE_S)
-        self.refresh_s = env_seconds(REFRESH_ENV, DEFAULT_REFRESH_S)
+        self.refresh_s, self.stale_s = lease_intervals()
         self.me = {"host": socket.gethostname(), "pid": os.getpid(),
                    "slurm_job_id": os.environ.get("SLURM_JOB_ID") or None, "token": uuid.uuid4().hex}
         self._stop = threading.Event()

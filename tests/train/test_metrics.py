@@ -10,35 +10,39 @@ from nagmoe.train.metrics import METRICS_FILE, MetricsWriter, read_metrics, trun
 
 def test_writer_appends_strict_json_lines(tmp_path):
     with MetricsWriter(str(tmp_path)) as w:
-        w.write({"step": 1, "loss": torch.tensor(2.5), "lr": np.float32(0.5), "tokens": np.int64(64)})
-        w.write({"step": 2, "loss": float("nan"), "hist": torch.tensor([1.0, 2.0])})
+        w.write({"step": 1, "loss": torch.tensor(2.5), "lr": np.float32(0.5), "tokens": np.int64(64), "flops": 1e9})
+        w.write({"step": 2, "loss": float("nan"), "hist": torch.tensor([1.0, 2.0]), "tokens": 128, "flops": 2e9})
         # Flushed line by line: readable before close.
         assert len(read_metrics(w.path)) == 2
     with MetricsWriter(str(tmp_path)) as w:  # a resumed run appends
-        w.write({"step": 3, "loss": 1.0})
+        w.write({"step": 3, "loss": 1.0, "tokens": 192, "flops": 3e9})
     lines = (tmp_path / METRICS_FILE).read_text().splitlines()
     records = [json.loads(line, parse_constant=lambda c: math.nan) for line in lines]
-    assert records[0] == {"step": 1, "loss": 2.5, "lr": 0.5, "tokens": 64}
-    assert records[1] == {"step": 2, "loss": None, "hist": [1.0, 2.0]}  # NaN -> null
+    assert records[0] == {"step": 1, "loss": 2.5, "lr": 0.5, "tokens": 64, "flops": 1e9}
+    assert records[1] == {"step": 2, "loss": None, "hist": [1.0, 2.0], "tokens": 128, "flops": 2e9}  # NaN -> null
     assert [r["step"] for r in records] == [1, 2, 3]
+
+
+def _record(step: int) -> dict:
+    """A record as the trainer writes it: step, tokens and FLOPs so far, and the loss."""
+    return {"step": step, "tokens": 64 * step, "flops": 1e9 * step, "loss": 1.0 / step}
 
 
 def test_truncate_drops_later_steps_and_torn_line(tmp_path):
     path = tmp_path / METRICS_FILE
     with MetricsWriter(str(tmp_path)) as w:
-        w.write({"event": "start"})
         for step in range(1, 8):
-            w.write({"step": step, "loss": 1.0 / step})
+            w.write(_record(step))
     with open(path, "a") as f:
         f.write('{"step": 8, "loss": 0.1')  # crash mid-line
-    assert truncate_metrics(str(path), 4) == 5
+    assert truncate_metrics(str(path), 4) == 4
     records = read_metrics(str(path))
-    assert records[0] == {"event": "start"}
-    assert [r["step"] for r in records[1:]] == [1, 2, 3, 4]
+    assert records[0] == _record(1)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert path.read_text().endswith("\n")
     assert sorted(os.listdir(tmp_path)) == [METRICS_FILE]  # no tmp file left behind
     with MetricsWriter(str(tmp_path)) as w:  # resume: each step appears once
-        w.write({"step": 5, "loss": 0.2})
-    assert [r.get("step") for r in read_metrics(str(path))] == [None, 1, 2, 3, 4, 5]
+        w.write(_record(5))
+    assert [r["step"] for r in read_metrics(str(path))] == [1, 2, 3, 4, 5]
     assert truncate_metrics(str(tmp_path / "missing.jsonl"), 3) == 0
     assert not (tmp_path / "missing.jsonl").exists()
