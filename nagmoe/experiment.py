@@ -406,9 +406,11 @@ class SlurmJob:
     job_id: Optional[str] = None
 
 
-def slurm_jobs(exp: Experiment, plans: list, opts, runs_root: str = "runs", force: bool = False) -> tuple:
+def slurm_jobs(exp: Experiment, plans: list, opts, runs_root: str = "runs",
+               accept_config_change: bool = False) -> tuple:
     """(training jobs for the unfinished plans, the report job), rendered but not written."""
     from nagmoe.launch import slurm
+    from nagmoe.launch.pinned_config import config_sha256
 
     opts.validate()
     jobs = []
@@ -426,9 +428,10 @@ def slurm_jobs(exp: Experiment, plans: list, opts, runs_root: str = "runs", forc
                             "--gpus-per-node 0 --procs-per-node K for CPU ranks")
         run_dir = os.path.abspath(p.run_dir)
         config_yaml = dump_yaml(cfg)
-        slurm.check_resume_config(run_dir, config_yaml, force)
+        slurm.check_resume_config(run_dir, config_yaml, accept_config_change)
         job_opts = dataclasses.replace(opts, job_name=f"{opts.job_name or exp.name}-{p.label}")
-        script = slurm.render_train_script(job_opts, run_dir, force=force, run_dir_what="--runs-root")
+        script = slurm.render_train_script(job_opts, run_dir, config_sha256=config_sha256(config_yaml),
+                                           accept_config_change=accept_config_change, run_dir_what="--runs-root")
         jobs.append(SlurmJob(p.label, run_dir, script, os.path.join(run_dir, slurm.SLURM_DIR, slurm.TRAIN_TEMPLATE),
                              config_yaml))
     out = os.path.abspath(exp.out_dir(runs_root))
@@ -467,11 +470,14 @@ def describe_slurm(exp: Experiment, plans: list, jobs: list, report, opts) -> st
     return "\n".join(lines)
 
 
-def submit_slurm(jobs: list, report, log: Callable[[str], None] = print) -> str:
+def submit_slurm(jobs: list, report, log: Callable[[str], None] = print, despite_live_job: bool = False) -> str:
     """Write and submit the training jobs, then the report job with afterany on all of them; its job id."""
     from nagmoe.launch import slurm
+    from nagmoe.launch.pinned_config import check_relaunch, config_sha256, record_job
 
     slurm.require_sbatch()
+    for j in jobs:  # before anything is written or submitted
+        check_relaunch(j.run_dir, config_sha256(j.config_yaml), despite_live_job)
     os.makedirs(os.path.dirname(report.path), exist_ok=True)
     slurm.write_script(report.path, report.script)
     submitted = []
@@ -479,6 +485,7 @@ def submit_slurm(jobs: list, report, log: Callable[[str], None] = print) -> str:
         for j in jobs:
             slurm.write_files(j.run_dir, j.config_yaml, {slurm.TRAIN_TEMPLATE: j.script})
             j.job_id = slurm.submit(j.path)
+            record_job(j.run_dir, j.job_id, config_sha256(j.config_yaml))
             submitted.append(j.job_id)
             log(f"submitted job {j.job_id}: train {j.label} (run dir {j.run_dir})")
         dependency = ("afterany:" + ":".join(submitted)) if submitted else None

@@ -1,21 +1,28 @@
-"""One writer per run dir: a lease file that the training job holds while it runs.
+"""One writer per run dir: a lease file that the training job holds while it runs, and checks before it writes.
 
-    RUN_DIR/lease.json   {"host", "pid", "slurm_job_id", "token", "acquired", "refreshed"}
+    RUN_DIR/lease.json   {"host", "pid", "slurm_job_id", "slurm_restart_count", "token", "acquired", "refreshed"}
 
 The trainer (rank 0 of a job) takes the lease before it touches anything in the run dir and a background
 thread rewrites it every NAGMOE_LEASE_REFRESH_S seconds (default 5) — also while the main thread loads,
 saves, evaluates or compiles. A second trainer exits 2 naming the holder. The lease is taken over when
 
   * it has not been refreshed for NAGMOE_LEASE_STALE_S seconds (default 600: its holder died or hangs),
-  * it is held by the same Slurm job id (a requeued job, maybe on another node),
+  * it is held by the same Slurm job id AND that job was requeued since (SLURM_RESTART_COUNT increased) or
+    its holder process is gone (same host, pid not alive): two `srun nagmoe train` steps of one allocation
+    share a job id and must not take each other's lease,
   * its holder is a process of this host that no longer exists (a kill -9 and an immediate restart),
-  * or with `--force`.
+  * or with `--take-over` (nagmoe.run_permissions).
 
 Staleness is judged by the newer of the refresh time written in the file and the file's mtime, so a clock
-difference between nodes only matters beyond that margin. Readers (eval, generate, analyze, report) never
-take the lease. On a file system where two nodes race to create the file at the same moment, the later
-rename wins; the loser sees another token at its next refresh and stops refreshing (it warns; the holder's
-writes are then the run's).
+difference between nodes only matters beyond that margin; a time in the future within the stale interval is
+clamped to now, one beyond it is a wrong clock and the lease is stale. A lease.json that is not a lease (torn,
+wrong types, not UTF-8) is stale with a warning naming the file: leases are written atomically, so only a
+foreign hand writes such a file.
+
+The lease is a fence (`confirm`): before each checkpoint publish, metrics write and summary.json the holder
+checks the file still carries its token; if another trainer took it over, the holder stops with a UserError
+naming the new holder (exit 2) and writes nothing more. Readers (eval, generate, analyze, report) never take
+the lease.
 """
 from __future__ import annotations
 
@@ -28,68 +35,118 @@ import time
 import uuid
 from typing import Optional
 
-from nagmoe.errors import UserError
+from nagmoe.errors import UserError, shown
+from nagmoe.job_environment import slurm_restart_count
+from nagmoe.read_files import loads_json, read_text
 from nagmoe.safe_files import write_atomic
 from nagmoe.settings import lease_intervals
 
 LEASE_FILE = "lease.json"
+# the fields a lease must have, and their types (bool is excluded from the numbers below)
+FIELDS = {"host": str, "pid": int, "token": str, "refreshed": (int, float)}
+OPTIONAL = {"slurm_job_id": (str, type(None)), "slurm_restart_count": int, "acquired": (int, float)}
 
 log = logging.getLogger("nagmoe.checkpoint")
 
 
+def _invalid(holder) -> Optional[str]:
+    """Why `holder` (parsed JSON) is not a lease, or None."""
+    if not isinstance(holder, dict):
+        return f"expected a JSON object, got {type(holder).__name__}"
+    for fields, required in ((FIELDS, True), (OPTIONAL, False)):
+        for key, kinds in fields.items():
+            if key not in holder:
+                if required:
+                    return f"missing field {key!r}"
+                continue
+            value = holder[key]
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                return f"field {key!r} is {shown(value, 60)}"
+    return None
+
+
 def read_lease(run_dir: str) -> Optional[dict]:
-    """The lease file's content (None when absent or unreadable: a torn write is treated as no lease)."""
-    try:
-        with open(os.path.join(run_dir, LEASE_FILE)) as f:
-            holder = json.load(f)
-        holder["mtime"] = os.path.getmtime(os.path.join(run_dir, LEASE_FILE))
-        return holder if isinstance(holder, dict) else None
-    except (OSError, ValueError):
+    """The lease file's content; None when absent. A file that is not a lease gives {"invalid": reason}."""
+    path = os.path.join(run_dir, LEASE_FILE)
+    if not os.path.lexists(path):
         return None
+    try:
+        holder = loads_json(read_text(path), shown(path))
+        mtime = os.path.getmtime(path)
+    except UserError as e:  # unreadable, not UTF-8, not JSON, nested too deeply
+        return {"invalid": str(e)}
+    except OSError as e:
+        return {"invalid": f"{shown(path)}: {e.strerror or type(e).__name__}"}
+    reason = _invalid(holder)
+    if reason is not None:
+        return {"invalid": f"{shown(path)}: {reason}"}
+    return {**holder, "mtime": mtime}
 
 
 def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # exists, another user's
+    except (PermissionError, OverflowError):  # exists, another user's; a pid beyond the platform's range
         return True
     return True
 
 
 def describe(holder: dict) -> str:
-    job = f", Slurm job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
-    return f"{holder.get('host')} pid {holder.get('pid')}{job}"
+    if "invalid" in holder:
+        return "an unreadable lease"
+    job = f", Slurm job {shown(holder['slurm_job_id'], 40)}" if holder.get("slurm_job_id") else ""
+    return f"{shown(holder.get('host'), 80)} pid {shown(holder.get('pid'), 20)}{job}"
+
+
+def lease_age(holder: dict, stale_s: float, now: Optional[float] = None) -> float:
+    """Seconds since the holder last refreshed: a time in the future within `stale_s` is clamped to now (clock
+    skew between nodes); one further ahead is a wrong clock, and the lease counts as stale (inf)."""
+    now = time.time() if now is None else now
+    last = max(float(holder.get("refreshed", 0)), float(holder.get("mtime", 0)))
+    if last - now > stale_s:
+        return float("inf")
+    return max(0.0, now - last)
 
 
 class RunDirLease:
-    """`acquire()` before writing the run dir, `release()` at the end (also on errors)."""
+    """`acquire()` before writing the run dir, `confirm()` before each publish, `release()` at the end."""
 
-    def __init__(self, run_dir: str, force: bool = False):
-        self.run_dir, self.force = run_dir, force
+    def __init__(self, run_dir: str, take_over: bool = False):
+        self.run_dir, self.take_over = run_dir, take_over
         self.path = os.path.join(run_dir, LEASE_FILE)
         self.refresh_s, self.stale_s = lease_intervals()
         self.me = {"host": socket.gethostname(), "pid": os.getpid(),
-                   "slurm_job_id": os.environ.get("SLURM_JOB_ID") or None, "token": uuid.uuid4().hex}
+                   "slurm_job_id": os.environ.get("SLURM_JOB_ID") or None,
+                   "slurm_restart_count": slurm_restart_count(), "token": uuid.uuid4().hex}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self.lost = False
+        self.lost: Optional[dict] = None  # the holder that took the lease over, once seen
 
     def takeover_reason(self, holder: dict) -> Optional[str]:
         """Why an existing lease may be taken (None: it may not)."""
-        age = time.time() - max(float(holder.get("refreshed", 0) or 0), float(holder.get("mtime", 0)))
-        if self.force:
-            return "--force"
+        if "invalid" in holder:
+            return f"not a lease ({holder['invalid']})"
+        if self.take_over:
+            return "--take-over"
+        age = lease_age(holder, self.stale_s)
         if age >= self.stale_s:
-            return f"not refreshed for {age:.0f} s"
+            return "its refresh time is in the future" if age == float("inf") else f"not refreshed for {age:.0f} s"
+        same_host = holder["host"] == self.me["host"]
+        if same_host and holder["pid"] == self.me["pid"]:
+            return "this process"
+        gone = same_host and not _pid_alive(holder["pid"])
         if self.me["slurm_job_id"] and holder.get("slurm_job_id") == self.me["slurm_job_id"]:
-            return "same Slurm job (requeued)"
-        if holder.get("host") == self.me["host"] and isinstance(holder.get("pid"), int):
-            if holder["pid"] == self.me["pid"]:
-                return "this process"
-            if not _pid_alive(holder["pid"]):
-                return "its process no longer exists"
+            if self.me["slurm_restart_count"] > holder.get("slurm_restart_count", 0):
+                return "same Slurm job, requeued"
+            if gone:
+                return "same Slurm job, its process no longer exists"
+            return None  # another step of this allocation, alive: not ours to take
+        if gone:
+            return "its process no longer exists"
         return None
 
     def acquire(self) -> "RunDirLease":
@@ -98,11 +155,11 @@ class RunDirLease:
         if holder is not None and holder.get("token") != self.me["token"]:
             reason = self.takeover_reason(holder)
             if reason is None:
-                age = time.time() - max(float(holder.get("refreshed", 0) or 0), float(holder.get("mtime", 0)))
-                raise UserError(f"{self.run_dir}: in use by {describe(holder)} (lease {self.path} refreshed "
-                                f"{age:.0f} s ago); one trainer per run dir: wait for it to end, or pass --force "
-                                f"if it is gone (a lease is stale after {self.stale_s:.0f} s)")
-            log.warning("taking over the lease of %s from %s: %s", self.run_dir, describe(holder), reason)
+                age = lease_age(holder, self.stale_s)
+                raise UserError(f"{shown(self.run_dir)}: in use by {describe(holder)} (lease {shown(self.path)} "
+                                f"refreshed {age:.0f} s ago); one trainer per run dir: wait for it to end, or pass "
+                                f"--take-over if it is gone (a lease is stale after {self.stale_s:.0f} s)")
+            log.warning("taking over the lease of %s from %s: %s", shown(self.run_dir), describe(holder), reason)
         self.me["acquired"] = time.time()
         self._write()
         self._thread = threading.Thread(target=self._refresh_loop, name="nagmoe-lease", daemon=True)
@@ -112,22 +169,41 @@ class RunDirLease:
     def _write(self) -> None:  # a fresh temporary, renamed (nagmoe.safe_files): never a planted name
         write_atomic(self.path, json.dumps({**self.me, "refreshed": time.time()}))
 
+    def _taken_by(self) -> Optional[dict]:
+        """The holder that took the lease from us, or None while it is ours. A missing or unreadable file
+        counts as taken: we always rewrite it atomically, so someone else removed or replaced it."""
+        if self.lost is not None:
+            return self.lost
+        holder = read_lease(self.run_dir)
+        if holder is None:
+            holder = {"invalid": f"{shown(self.path)} was removed"}
+        if holder.get("token") != self.me["token"]:
+            self.lost = holder
+        return self.lost
+
+    def confirm(self) -> None:
+        """The fence: raise a UserError naming the new holder unless the lease is still ours."""
+        holder = self._taken_by()
+        if holder is not None:
+            self._stop.set()
+            raise UserError(f"{shown(self.run_dir)}: the run dir was taken over by {describe(holder)}; this "
+                            "trainer stops without writing anything more (one trainer per run dir)")
+
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.refresh_s):
-            holder = read_lease(self.run_dir)
-            if holder is not None and holder.get("token") != self.me["token"]:
-                self.lost = True
-                log.warning("lease of %s was taken over by %s: no longer refreshing it", self.run_dir,
-                            describe(holder))
+            holder = self._taken_by()
+            if holder is not None:
+                log.warning("lease of %s was taken over by %s: no longer refreshing it; this trainer stops at "
+                            "its next write", shown(self.run_dir), describe(holder))
                 return
             try:
                 self._write()
             except OSError as e:  # a file-system hiccup: try again at the next refresh
-                log.warning("could not refresh the lease %s: %s", self.path, e)
+                log.warning("could not refresh the lease %s: %s", shown(self.path), shown(str(e)))
 
     def release(self) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
         holder = read_lease(self.run_dir)
         if holder is not None and holder.get("token") == self.me["token"]:

@@ -75,24 +75,24 @@ def run_history(run_dir: str) -> list[str]:
     return found
 
 
-def resume_checkpoint(run_dir: str, force: bool = False) -> Optional[str]:
+def resume_checkpoint(run_dir: str, start_over: bool = False) -> Optional[str]:
     """The checkpoint a (re)started run resumes from (verified: load it with `verified=True`), or None for
     a fresh run.
 
     First publishes a complete save that was interrupted before its rename (`recover_unfinished`). Refuses
     (UserError) when there is no valid checkpoint but the run dir holds a started run's history (metrics,
     run_info, summary, checkpoint directories): starting over would truncate its metrics and its first save
-    would prune what is left. `force` starts over anyway."""
+    would prune what is left. `start_over` (train --start-over) starts over anyway."""
     if not os.path.isdir(run_dir):
         return None
     latest, step = _newest_valid(run_dir)
     latest, step = recover_unfinished(run_dir, step) or (latest, step)
     _warn_unfinished(run_dir, step)
     history = run_history(run_dir) if latest is None else []
-    if history and not force:
+    if history and not start_over:
         raise UserError(f"{run_dir}: holds {', '.join(history)}; of its checkpoints none is valid (warnings "
                         "above name any); refusing to start the run over: restore or move them away, or pass "
-                        "--force")
+                        "--start-over")
     return latest
 
 
@@ -117,7 +117,7 @@ def check_resume_layout(path: str, run_dir: str, cfg, world_size: int) -> Option
     (world size, parallel.ep, train.micro_batch_tokens) this run has, else a one-line description of the
     change ("world size 4 -> 2, parallel.ep 2 -> 1"). The torch engine resumes on another layout (its load
     reshards: nagmoe.checkpoint.torch_layout); parallel.engine=deepspeed resumes on the layout it saved on
-    only, so there a change is a UserError, whatever --force says."""
+    only, so there a change is a UserError, whatever --accept-config-change says."""
     old = saved_layout(path, run_dir)
     new = {"world_size": world_size, "ep": cfg.parallel.ep, "micro_batch_tokens": cfg.train.micro_batch_tokens}
     names = {"world_size": "world size", "ep": "parallel.ep", "micro_batch_tokens": "train.micro_batch_tokens"}

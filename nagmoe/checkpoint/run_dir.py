@@ -78,18 +78,19 @@ def resume_differences(run_dir: str, new: Config) -> list[str]:
     return config_differences(read_saved_config(run_dir), new)
 
 
-def prepare_run_dir(run_dir: str, cfg: Config, resuming: bool, force: bool = False) -> None:
-    """Refuse a resume whose config differs beyond the schedule-length and layout keys (unless forced); write
+def prepare_run_dir(run_dir: str, cfg: Config, resuming: bool, accept_config_change: bool = False) -> None:
+    """Refuse a resume whose config differs beyond the schedule-length and layout keys (unless
+    `accept_config_change`, train --accept-config-change); write
     the resolved config atomically."""
     os.makedirs(run_dir, exist_ok=True)
     saved = read_saved_config(run_dir)
     if resuming and saved is not None:
         diffs = config_differences(saved, cfg)
-        if diffs and not force:
+        if diffs and not accept_config_change:
             raise UserError(f"{os.path.join(run_dir, CONFIG_FILE)}: resuming with a different config "
                             f"({'; '.join(diffs)}); only {', '.join(RESUMABLE_KEYS)} and the layout "
-                            f"({', '.join(RESUMABLE_LAYOUT_KEYS)}, the world size) may change (pass --force to "
-                            "override)")
+                            f"({', '.join(RESUMABLE_LAYOUT_KEYS)}, the world size) may change (pass --accept-config-change "
+                            "to resume anyway)")
     write_atomic(os.path.join(run_dir, CONFIG_FILE), dump_yaml(cfg), durable=True)
 
 

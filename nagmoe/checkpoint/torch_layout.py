@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -166,12 +166,14 @@ def _dcp(fn, state: dict, path: str) -> None:
 # Save / load
 # ----------------------------------------------------------------------------------------------------------
 def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizers=None,
-                    extra_state: Optional[dict] = None, keep: int = 2, shard_plan: Optional[dict] = None) -> str:
+                    extra_state: Optional[dict] = None, keep: int = 2, shard_plan: Optional[dict] = None,
+                    fence: Optional[Callable[[], None]] = None) -> str:
     """Write RUN_DIR/checkpoints/step_<step>/ atomically; keep the newest `keep`; return its path.
 
     `extra_state` must be JSON-serialisable (tokens, flops, data-loader position, ...); the RNG states of
     every rank are added automatically. Collective when a process group is initialised. `shard_plan`: the
-    expert-parallel parameters (module docstring).
+    expert-parallel parameters (module docstring). `fence` (collective, every rank): called just before the
+    publish; it raises when the run dir's lease was taken over, and then nothing is published.
     """
     if keep < 1:
         raise UserError(f"train.keep_checkpoints: {keep} must be >= 1")
@@ -193,6 +195,8 @@ def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizers=None,
         dist.all_gather_object(all_rng, rng)
     else:
         all_rng = [rng]
+    if fence is not None:
+        fence()
     if _rank() == 0:
         layout = {"world_size": len(all_rng), "ep": _ep_degree(shard_plan)}
         publish(tmp, final, run_dir, {"format": FORMAT, "step": step, "rng": all_rng, "extra": extra_state,

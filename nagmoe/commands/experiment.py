@@ -10,6 +10,7 @@ apply to every run. Exit status 1 when a local run failed (the report still show
 from __future__ import annotations
 
 from nagmoe.errors import UserError
+from nagmoe.run_permissions import add_accept_config_change, refuse_force
 
 
 def add_arguments(p):
@@ -34,7 +35,9 @@ def add_arguments(p):
     s.add_argument("--job-name", default=None, help="job name prefix (default: the experiment's name)")
     s.add_argument("--signal-seconds", type=int, default=120, help="USR1 this long before the time limit")
     s.add_argument("--sbatch-arg", action="append", default=[], metavar="OPTION", help="extra #SBATCH option")
-    s.add_argument("--force", action="store_true", help="resume run dirs even if their config differs")
+    add_accept_config_change(s)  # rendered with each config's sha256 (nagmoe/run_permissions.py)
+    s.add_argument("--despite-live-job", action="store_true",
+                   help="submit another config although a job of that run dir is still pending or running")
 
 
 def _slurm_options(args):
@@ -49,6 +52,7 @@ def _slurm_options(args):
 def run(args) -> int:
     from nagmoe import experiment as ex
 
+    refuse_force(args)
     if args.report_only and args.no_report:
         raise UserError("--report-only and --no-report exclude each other")
     exp = ex.load_experiment(args.file)
@@ -61,11 +65,11 @@ def run(args) -> int:
         if not args.dry_run:
             require_sbatch()  # before anything is written
         warn_job_environment()  # now, not only in the log of a preempted job
-        jobs, report = ex.slurm_jobs(exp, plans, opts, args.runs_root, args.force)
+        jobs, report = ex.slurm_jobs(exp, plans, opts, args.runs_root, args.accept_config_change)
         print(ex.describe_slurm(exp, plans, jobs, report, opts), flush=True)
         if args.dry_run:
             return 0
-        ex.submit_slurm(jobs, report)
+        ex.submit_slurm(jobs, report, despite_live_job=args.despite_live_job)
         return 0
 
     print(ex.describe(exp, plans), flush=True)

@@ -14,6 +14,7 @@ import sys
 
 from nagmoe.commands.common import add_config_arguments, config_from_args
 from nagmoe.errors import UserError
+from nagmoe.run_permissions import add_accept_config_change, refuse_force
 
 
 def add_arguments(p):
@@ -37,7 +38,9 @@ def add_arguments(p):
                    help="USR1 to the batch shell this long before the time limit: checkpoint and requeue")
     s.add_argument("--sbatch-arg", action="append", default=[], metavar="OPTION",
                    help="extra #SBATCH option, verbatim (repeatable), e.g. --sbatch-arg=--exclusive")
-    s.add_argument("--force", action="store_true", help="resume even if the config differs (train --force)")
+    add_accept_config_change(s)  # rendered into the script with the config's sha256 (nagmoe/run_permissions.py)
+    s.add_argument("--despite-live-job", action="store_true",
+                   help="submit another config although a job of this run dir is still pending or running")
     s.add_argument("--gpu-memory", type=float, default=80.0, metavar="GB",
                    help="memory of one GPU; --dry-run warns when the layout's estimate exceeds it (default 80)")
     s.add_argument("--array", type=int, default=None, metavar="N",
@@ -67,6 +70,7 @@ def _config_stem(path: str) -> str:
 def run(args) -> int:
     from nagmoe.launch import slurm
 
+    refuse_force(args)
     opts = _options(args)
     if args.submit:
         slurm.require_sbatch()  # before anything is written
@@ -87,20 +91,27 @@ def run(args) -> int:
     config_yaml = dump_yaml(cfg)
     if args.preflight:
         return _run_preflight(args, opts, cfg, run_dir, config_yaml)
-    slurm.check_resume_config(run_dir, config_yaml, args.force)
+    from nagmoe.launch import pinned_config
+
+    sha = pinned_config.config_sha256(config_yaml)
+    slurm.check_resume_config(run_dir, config_yaml, args.accept_config_change)
     slurm.warn_job_environment()  # now, not only in the log of a preempted job
-    script = slurm.render_train_script(opts, run_dir, force=args.force)
+    script = slurm.render_train_script(opts, run_dir, config_sha256=sha,
+                                       accept_config_change=args.accept_config_change)
     if args.dry_run:
         if not opts.cpu_mode:
             _warn_memory(cfg, opts, args.gpu_memory)
         sys.stdout.write(script)
         return 0
+    if args.submit:  # before anything is written: a queued job of another config keeps its run dir
+        pinned_config.check_relaunch(run_dir, sha, args.despite_live_job)
     paths = slurm.write_files(run_dir, config_yaml, {slurm.TRAIN_TEMPLATE: script})
     path = paths[slurm.TRAIN_TEMPLATE]
     if not args.submit:
-        print(f"wrote {path} (config {paths['config.yaml']}); submit with: sbatch {path}")
+        print(f"wrote {path} (config {paths['pinned']}); submit with: sbatch {path}")
         return 0
     job = slurm.submit(path)
+    pinned_config.record_job(run_dir, job, sha)
     log = os.path.join(run_dir, slurm.SLURM_DIR, f"slurm-{job}.out")
     print(f"submitted job {job}: {opts.nodes} node(s) x {opts.procs_per_node} rank(s); run dir {run_dir}; "
           f"log {log}")

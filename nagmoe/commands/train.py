@@ -1,6 +1,7 @@
 """`nagmoe train --config PATH [--run-dir DIR] [key.sub=value ...]`: train, resuming from the latest valid
 checkpoint in the run dir; only the schedule-length keys and the layout (parallel.ep, train.micro_batch_tokens,
-the world size) may differ on resume unless --force.
+the world size) may differ on resume unless --accept-config-change (nagmoe/run_permissions.py: --take-over,
+--start-over; plain --force is refused).
 
 Distributed: under torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or one srun task per rank (SLURM_*), e.g.
 `torchrun --standalone --nproc_per_node=2 -m nagmoe train --config configs/tiny.yaml parallel.ep=2`.
@@ -8,12 +9,13 @@ Distributed: under torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or one srun task per ra
 import os
 
 from nagmoe.commands.common import add_config_arguments, config_from_args, launched_process_group
+from nagmoe.run_permissions import add_train_permissions, check_config_sha256, refuse_force
 
 
 def add_arguments(p):
     add_config_arguments(p)
     p.add_argument("--run-dir", default=None, help="run directory (default: runs/<config name>)")
-    p.add_argument("--force", action="store_true", help="resume even if the config differs; start over a run dir that has no valid checkpoint")
+    add_train_permissions(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -21,9 +23,12 @@ def run(args) -> int:
     from nagmoe.parallel.mesh import ParallelMesh
     from nagmoe.train.trainer import Trainer
 
+    refuse_force(args, train=True)
+    check_config_sha256(args.config, args.config_sha256)  # a job's acceptance holds for its submitted config only
     cfg = config_from_args(args)
     run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
     with launched_process_group(cfg) as (env, device):
         mesh = ParallelMesh.build(cfg, env.rank, env.world_size, env.local_rank, device.type)
-        Trainer(cfg, run_dir, force=args.force, quiet=args.quiet, mesh=mesh).run()
+        Trainer(cfg, run_dir, accept_config_change=args.accept_config_change, take_over=args.take_over,
+                start_over=args.start_over, quiet=args.quiet, mesh=mesh).run()
     return 0

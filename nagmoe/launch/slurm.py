@@ -209,9 +209,14 @@ def torchrun_path() -> str:
     return here if os.path.isfile(here) else (shutil.which("torchrun") or "torchrun")
 
 
-def render_train_script(opts: SlurmOptions, run_dir: str, force: bool = False,
-                        run_dir_what: str = "--run-dir") -> str:
-    """`run_dir_what`: the option the run dir came from, for messages (an experiment's: --runs-root)."""
+def render_train_script(opts: SlurmOptions, run_dir: str, config_sha256: Optional[str] = None,
+                        accept_config_change: bool = False, run_dir_what: str = "--run-dir") -> str:
+    """`run_dir_what`: the option the run dir came from, for messages (an experiment's: --runs-root).
+    `config_sha256`: the submitted config's; the script trains the pinned RUN_DIR/slurm/config-<sha12>.yaml
+    and `nagmoe train` checks the hash (nagmoe.launch.pinned_config). Never --take-over or --start-over."""
+    from nagmoe.launch.pinned_config import pinned_name
+    from nagmoe.run_permissions import script_train_args
+
     opts.validate()
     run_dir = os.path.abspath(run_dir)
     job_name = opts.job_name or job_name_from(f"nagmoe-{os.path.basename(run_dir)}")
@@ -228,7 +233,8 @@ def render_train_script(opts: SlurmOptions, run_dir: str, force: bool = False,
         "RUN_DIR": shlex.quote(run_dir), "TORCHRUN": shlex.quote(torchrun_path()),
         "PROCS_PER_NODE": opts.procs_per_node, "THREADS_PER_PROC": threads,
         "REQUEST_FILE": REQUEST_FILE, "MARKER_FILE": MARKER_FILE,
-        "MODE_LINE": mode, "TRAIN_ARGS": " --force" if force else "",
+        "MODE_LINE": mode, "TRAIN_ARGS": script_train_args(config_sha256, accept_config_change),
+        "CONFIG_NAME": pinned_name(config_sha256) if config_sha256 else "config.yaml",
     })
 
 
@@ -287,14 +293,14 @@ def render_prepare_scripts(opts: SlurmOptions, launch_dir: str, num_slices: int,
 # ----------------------------------------------------------------------------------------------------------
 # Files and submission
 # ----------------------------------------------------------------------------------------------------------
-def check_resume_config(run_dir: str, config_yaml: str, force: bool) -> None:
+def check_resume_config(run_dir: str, config_yaml: str, accept_config_change: bool) -> None:
     """Refuse at submission what the trainer would refuse at start: resuming a run dir that has checkpoints
     with a config that differs beyond the schedule-length and layout keys."""
     from nagmoe.config import config_from_dict, yaml_load
     from nagmoe.checkpoint.run_dir import read_saved_config, resume_differences
 
     ckpts = os.path.join(run_dir, "checkpoints")
-    if force or not (os.path.isdir(ckpts) and os.listdir(ckpts)):
+    if accept_config_change or not (os.path.isdir(ckpts) and os.listdir(ckpts)):
         return
     saved = read_saved_config(run_dir)
     if saved is None:
@@ -302,7 +308,7 @@ def check_resume_config(run_dir: str, config_yaml: str, force: bool) -> None:
     diffs = resume_differences(run_dir, config_from_dict(yaml_load(config_yaml) or {}, validate=False))
     if diffs:
         raise UserError(f"{run_dir}: has checkpoints of a different config ({'; '.join(diffs[:3])}"
-                        f"{' ...' if len(diffs) > 3 else ''}); use another --run-dir or pass --force")
+                        f"{' ...' if len(diffs) > 3 else ''}); use another --run-dir or pass --accept-config-change")
 
 
 def write_script(path: str, text: str) -> None:
@@ -313,11 +319,15 @@ def write_script(path: str, text: str) -> None:
 
 
 def write_files(directory: str, config_yaml: str, scripts: dict) -> dict:
-    """Write DIR/slurm/config.yaml and DIR/slurm/<name> for each script; returns {name: path}."""
+    """Write DIR/slurm/config.yaml (the latest submission, for people), the pinned DIR/slurm/config-<sha12>.yaml
+    (what the job trains) and DIR/slurm/<name> for each script; returns {name: path}."""
+    from nagmoe.launch.pinned_config import write_pinned
+
     folder = os.path.join(os.path.abspath(directory), SLURM_DIR)
     os.makedirs(folder, exist_ok=True)
     paths = {"config.yaml": os.path.join(folder, "config.yaml")}
-    write_atomic(paths["config.yaml"], config_yaml, durable=True)  # what every restart trains
+    paths["pinned"] = write_pinned(directory, config_yaml)  # content-named: a later launch cannot change it
+    write_atomic(paths["config.yaml"], config_yaml, durable=True)
     for name, text in scripts.items():
         paths[name] = os.path.join(folder, name)
         write_script(paths[name], text)

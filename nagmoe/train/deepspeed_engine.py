@@ -337,9 +337,10 @@ class DeepSpeedEngine:
     def layout(self) -> dict:
         return {"world_size": self.mesh.world_size, "ep": self.mesh.ep, "zero_stage": self.cfg.parallel.zero_stage}
 
-    def save_checkpoint(self, run_dir: str, step: int, extra_state: dict, keep: int = 2) -> str:
+    def save_checkpoint(self, run_dir: str, step: int, extra_state: dict, keep: int = 2, fence=None) -> str:
         """RUN_DIR/checkpoints/step_<step>/ through DeepSpeed (nagmoe.checkpoint.deepspeed_layout), published
-        atomically like the torch engine's; keeps the newest `keep`. Collective."""
+        atomically like the torch engine's; keeps the newest `keep`. Collective. `fence` (every rank): called
+        just before the publish, it raises when the run dir's lease was taken over."""
         if keep < 1:
             raise UserError(f"train.keep_checkpoints: {keep} must be >= 1")
         json.dumps(extra_state, allow_nan=False)  # fail on every rank before anything is written
@@ -354,6 +355,8 @@ class DeepSpeedEngine:
                         self.expert_names, self.own_optim.state_dict() if self.own_optim is not None else None)
         rngs: list = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, capture_rng_state())  # also: every rank's file is written
+        if fence is not None:
+            fence()
         if rank == 0:
             state = {"format": FORMAT, "step": step, "rng": rngs, "extra": extra_state, "layout": self.layout()}
             publish(tmp, final, run_dir, state, keep, tag)

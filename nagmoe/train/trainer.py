@@ -102,10 +102,12 @@ def check_history_files(run_dir: str) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: str, force: bool = False, quiet: bool = False,
-                 rank: int = 0, world_size: int = 1, mesh: Optional[ParallelMesh] = None):
+    def __init__(self, cfg: Config, run_dir: str, accept_config_change: bool = False, take_over: bool = False,
+                 start_over: bool = False, quiet: bool = False, rank: int = 0, world_size: int = 1,
+                 mesh: Optional[ParallelMesh] = None):
         """`mesh`: the distributed layout (nagmoe.parallel.mesh.ParallelMesh). Without one: the initialised
-        process group's layout when there is one and `world_size` is left at 1, else `rank`/`world_size`."""
+        process group's layout when there is one and `world_size` is left at 1, else `rank`/`world_size`.
+        The three permissions are `nagmoe train`'s flags of the same names (nagmoe/run_permissions.py)."""
         self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
         t, m = cfg.train, cfg.model
         self.device = resolve_device(t.device)
@@ -143,10 +145,10 @@ class Trainer:
         self._router_interval = RouterTelemetry()  # routing since the last logged report
         self._step_router = RouterTelemetry()  # the last optimizer step's routing (train_step refills it)
         self.lease = None
-        mesh.on_rank0(lambda: self._take_lease(force))
+        mesh.on_rank0(lambda: self._take_lease(take_over))
         try:
             started = time.perf_counter()
-            latest = mesh.on_rank0(lambda: resume_checkpoint(run_dir, force))  # refuses if none is valid
+            latest = mesh.on_rank0(lambda: resume_checkpoint(run_dir, start_over))  # refuses if none is valid
             mesh.on_rank0(lambda: check_history_files(run_dir))  # a bad one: exit 2 before anything is written
             if latest is not None:
                 self._log(f"verified {latest} in {time.perf_counter() - started:.1f} s")
@@ -160,7 +162,8 @@ class Trainer:
                 change = mesh.on_rank0(lambda: check_resume_layout(latest, run_dir, cfg, world_size))
                 if change is not None:
                     self._log(f"resuming {latest} on another layout: {change}")
-            mesh.on_rank0(lambda: prepare_run_dir(run_dir, cfg, resuming=latest is not None, force=force))
+            mesh.on_rank0(lambda: prepare_run_dir(run_dir, cfg, resuming=latest is not None,
+                                                          accept_config_change=accept_config_change))
 
             torch.manual_seed(t.seed)
             from nagmoe.model.init_rng import init_model
@@ -245,8 +248,14 @@ class Trainer:
             raise
 
     # ------------------------------------------------------------------------------------------------------
-    def _take_lease(self, force: bool) -> None:
-        self.lease = RunDirLease(self.run_dir, force).acquire()
+    def _take_lease(self, take_over: bool) -> None:
+        self.lease = RunDirLease(self.run_dir, take_over).acquire()
+
+    def fence(self) -> None:
+        """Collective, before each checkpoint publish, metrics write and summary.json: rank 0 confirms the lease is
+        still ours; if another trainer took it over, every rank raises the same UserError (exit 2) and nothing
+        more is written (nagmoe.checkpoint.lease)."""
+        self.mesh.on_rank0(lambda: self.lease.confirm() if self.lease is not None else None)
 
     def release_lease(self) -> None:
         """Give the run dir back (rank 0 holds the lease); idempotent."""
@@ -518,10 +527,12 @@ class Trainer:
         started = time.perf_counter()
         try:
             if self.engine is not None:
-                path = self.engine.save_checkpoint(self.run_dir, step, state, keep=self.cfg.train.keep_checkpoints)
+                path = self.engine.save_checkpoint(self.run_dir, step, state, keep=self.cfg.train.keep_checkpoints,
+                                                   fence=self.fence)
             else:
                 path = save_checkpoint(self.run_dir, step, self.model, self.optim, state,
-                                       keep=self.cfg.train.keep_checkpoints, shard_plan=self.shard_plan)
+                                       keep=self.cfg.train.keep_checkpoints, shard_plan=self.shard_plan,
+                                       fence=self.fence)
         except BaseException as e:  # DCP raises CheckpointException (a BaseException) for any rank's failure
             reason = save_error(e)
             if reason is None:
@@ -577,8 +588,10 @@ class Trainer:
                 gate_stop = self._gate_check(rec)  # the gate-collapse alarm: a warning and metrics fields
                 if last or (t.eval_every and step % t.eval_every == 0):
                     val_bpb = rec["val_bpb"] = self.evaluate()
-                if metrics is not None and (last or step % self.cfg.log.every == 0 or "val_bpb" in rec):
-                    metrics.write(rec)
+                if last or step % self.cfg.log.every == 0 or "val_bpb" in rec:
+                    self.fence()  # every rank: a lost lease stops them all before rank 0 writes
+                    if metrics is not None:
+                        metrics.write(rec)
                 if self.wandb is not None:
                     self.wandb.log({k: v for k, v in rec.items() if v is not None}, step=step)
                 if progress_log is not None:
@@ -604,6 +617,7 @@ class Trainer:
                    "ffn": self.cfg.model.ffn}
         if self.mod_account is not None:  # MoD: realised skipping (skipping steps, and the whole run)
             summary.update(self.mod_account.summary())
+        self.fence()
         if self.rank == 0:
             write_summary(self.run_dir, summary)
         if self.wandb is not None:

@@ -1,6 +1,6 @@
 """One writer per run dir (issue 21, point 7): a live lease held by another process refuses a second trainer
 (exit 2, naming the holder); it is refreshed by a thread while the main thread is busy; a stale lease, one of
-the same Slurm job, one whose process is gone and `--force` are taken over; readers never take it."""
+the same Slurm job when requeued, one whose process is gone and `--take-over` are taken over; readers never take it."""
 import json
 import os
 import socket
@@ -51,7 +51,7 @@ def test_a_second_trainer_exits_2_naming_the_holder(holder, micro_config, tmp_pa
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2, r.stderr
     (line,) = [ln for ln in r.stderr.splitlines() if "error" in ln]
-    assert f"in use by {socket.gethostname()} pid {proc.pid}" in line and "--force" in line
+    assert f"in use by {socket.gethostname()!r} pid {proc.pid}" in line and "--take-over" in line
     assert sorted(os.listdir(run_dir)) == [LEASE_FILE]  # nothing written by the refused trainer
 
 
@@ -62,9 +62,9 @@ def test_the_lease_is_refreshed_while_the_main_thread_is_busy(holder):
     assert read_lease(run_dir)["refreshed"] > first + 0.5
 
 
-def test_force_takes_a_live_lease_and_the_old_holder_stops_refreshing(holder):
+def test_take_over_takes_a_live_lease_and_the_old_holder_stops_refreshing(holder):
     run_dir, proc = holder
-    mine = RunDirLease(run_dir, force=True).acquire()
+    mine = RunDirLease(run_dir, take_over=True).acquire()
     try:
         time.sleep(1.0)  # the holder's refresh thread sees another token and stops writing
         assert read_lease(run_dir)["token"] == mine.me["token"]
@@ -91,7 +91,8 @@ def test_takeover(case, tmp_path, monkeypatch):
         write_foreign_lease(run_dir, age_s=61)
     elif case == "same_slurm_job":
         monkeypatch.setenv("SLURM_JOB_ID", "991")
-        write_foreign_lease(run_dir, age_s=1, slurm_job_id="991")  # requeued onto another node
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued onto another node (issue 41: not another step)
+        write_foreign_lease(run_dir, age_s=1, slurm_job_id="991")
     else:
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
@@ -106,7 +107,7 @@ def test_a_fresh_foreign_lease_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("NAGMOE_LEASE_STALE_S", "60")
     monkeypatch.setenv("SLURM_JOB_ID", "992")
     write_foreign_lease(run_dir, age_s=30, slurm_job_id="991")
-    with pytest.raises(UserError, match="in use by node-17 pid 4242, Slurm job 991"):
+    with pytest.raises(UserError, match="in use by 'node-17' pid 4242, Slurm job '991'"):
         RunDirLease(run_dir).acquire()
     monkeypatch.setenv("NAGMOE_LEASE_STALE_S", "soon")
     with pytest.raises(UserError, match="NAGMOE_LEASE_STALE_S"):

@@ -1,5 +1,5 @@
 """Which checkpoint a run resumes from (issue 21, points 2-4): a complete interrupted save is published, a
-`.del-` copy never is, a run dir with history but no valid checkpoint is not started over without force, and
+`.del-` copy never is, a run dir with history but no valid checkpoint is not started over without --start-over, and
 each file is hashed once per load."""
 import collections
 import os
@@ -73,10 +73,10 @@ def test_history_without_a_valid_checkpoint_is_not_started_over(left, tmp_path):
         with open(path, "w") as f:
             f.write('{"step": 1}\n')
     with pytest.raises(UserError, match=f"{os.path.basename(left) if 'checkpoints' not in left else 'checkpoints/'}"
-                                        ".*--force") as info:
+                                        ".*--start-over") as info:
         resume_checkpoint(str(tmp_path))
     assert "\n" not in str(info.value)
-    assert resume_checkpoint(str(tmp_path), force=True) is None
+    assert resume_checkpoint(str(tmp_path), start_over=True) is None
     assert os.path.exists(path)  # refusing touches nothing
 
 

@@ -264,7 +264,7 @@ def test_distributed_resume_continues_the_exact_trajectory(session):
 def test_two_rank_checkpoint_resumes_in_one_process(session, single, overrides):
     tmp, _ = session
     run_dir = os.path.join(tmp, "resume_in_one_process")
-    trainer = make_trainer(overrides, run_dir, force=True)  # parallel.ep 2 -> 1 needs --force
+    trainer = make_trainer(overrides, run_dir, accept_config_change=True)  # parallel.ep 2 -> 1 needs it
     assert trainer.progress.step == 3
     trainer.run()
     assert_losses_close(step_losses(run_dir), single["losses"])

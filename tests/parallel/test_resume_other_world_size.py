@@ -5,7 +5,7 @@ The reference is 6 steps straight in one process. The same run is then trained a
   * 2 steps on 4 gloo ranks (EP=2 x DP=2, micro-batches of 1 row: no accumulation),
   * 2 steps on 2 ranks (EP=2, micro-batches of 2 rows), resuming the 4-rank run dir,
   * 2 steps in 1 process (micro-batches of 1 row: 4 accumulation micro-steps), resuming the 2-rank run dir,
-without --force (parallel.ep and train.micro_batch_tokens may change on resume). The per-step losses continue
+without --accept-config-change (parallel.ep and train.micro_batch_tokens may change on resume). The per-step losses continue
 the reference within the distributed tolerance of tests/parallel/test_parallel_training.py (1e-5, at its
 lr_embed 0.02), every step reads the reference's rows, the saved loader states equal the reference's, the
 final weights (expert stacks re-sliced by global expert index at each load, their Muon/AdamW state with them)

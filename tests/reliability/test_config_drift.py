@@ -1,6 +1,6 @@
 """Resuming a run dir with another config: refused (exit 2, one line listing each changed key with its old and
 new value, nothing in the run dir touched) unless only the schedule-length keys changed (DESIGN:
-train.max_steps, train.flop_budget, train.eval_every, train.checkpoint_every); `--force` overrides."""
+train.max_steps, train.flop_budget, train.eval_every, train.checkpoint_every); `--accept-config-change` overrides."""
 import json
 import os
 
@@ -33,12 +33,12 @@ def test_config_drift_refuses_listing_the_keys_and_force_overrides(short_config,
     refused = run_trainer(short_config, run_dir, "train.max_steps=4", "model.d_model=48", "train.lr_matrix=0.01")
     message = refused.stderr.strip()
     assert refused.returncode == 2 and "\n" not in message and "Traceback" not in message, refused.stderr
-    assert message.startswith("nagmoe train: error: ") and "config.yaml" in message and "--force" in message
+    assert message.startswith("nagmoe train: error: ") and "config.yaml" in message and "--accept-config-change" in message
     assert "model.d_model: 32 -> 48" in message and "train.lr_matrix: 0.02 -> 0.01" in message
     assert "train.max_steps:" not in message  # a schedule-length key is not a difference
     assert snapshot(run_dir) == before  # refused before anything was written
 
-    # every schedule-length, checkpoint-keeping and logging key changed at once: resumes without --force
+    # every schedule-length, checkpoint-keeping and logging key changed at once: resumes without --accept-config-change
     cfg = load_config(short_config, ["train.max_steps=4", "train.flop_budget=1e15", "train.eval_every=2",
                                      "train.checkpoint_every=1", "train.keep_checkpoints=3", "log.wandb=off",
                                      "train.checkpoint_every_minutes=60", "train.keep_milestone_every_tokens=512"])
@@ -50,7 +50,7 @@ def test_config_drift_refuses_listing_the_keys_and_force_overrides(short_config,
     trainer.run()
     assert logged_steps(run_dir) == [1, 2, 3, 4]
 
-    forced = run_trainer(short_config, run_dir, "train.max_steps=5", "train.lr_matrix=0.01", "--force")
+    forced = run_trainer(short_config, run_dir, "train.max_steps=5", "train.lr_matrix=0.01", "--accept-config-change")
     assert forced.returncode == 0, forced.stderr
     assert resumed_from(run_dir).endswith("step_000004") and logged_steps(run_dir) == [1, 2, 3, 4, 5]
     # the forced config is the run's record from now on

@@ -247,10 +247,10 @@ def test_a_run_whose_checkpoints_are_all_invalid_is_not_restarted_silently(micro
     Trainer(micro_config("train.max_steps=2"), run_dir, quiet=True).run()
     flip_byte(tensor_file(os.path.join(run_dir, "checkpoints", "step_000002")))
     metrics_before = records(run_dir)
-    with pytest.raises(UserError, match=r"checkpoints.*none is valid.*--force"):
+    with pytest.raises(UserError, match=r"checkpoints.*none is valid.*--start-over"):
         Trainer(micro_config("train.max_steps=3"), run_dir, quiet=True)
     assert records(run_dir) == metrics_before  # nothing touched
-    trainer = Trainer(micro_config("train.max_steps=3"), run_dir, quiet=True, force=True)  # start over
+    trainer = Trainer(micro_config("train.max_steps=3"), run_dir, quiet=True, start_over=True)  # start over
     assert trainer.progress.step == 0
     trainer.run()
     assert logged_steps(run_dir) == [1, 2, 3]

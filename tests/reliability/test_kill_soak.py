@@ -56,10 +56,10 @@ def test_three_seeded_kills_leave_the_run_bitwise_identical(reference, tmp_path)
             with open(metrics_path(run_dir), "rb") as f:
                 history = f.read()
             refused = run_trainer(reference.config, run_dir)  # never starts over silently ...
-            assert refused.returncode == 2 and "metrics.jsonl" in refused.stderr and "--force" in refused.stderr
+            assert refused.returncode == 2 and "metrics.jsonl" in refused.stderr and "--start-over" in refused.stderr
             with open(metrics_path(run_dir), "rb") as f:
                 assert f.read() == history  # ... and its metrics survive the refusal
-            args.append("--force")  # what the operator then does
+            args.append("--start-over")  # what the operator then does
         proc = start(nagmoe_train(*args), tmp_path / f"life{i}.log")
         try:
             # a step after the last kill can only have been logged by this process

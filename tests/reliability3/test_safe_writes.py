@@ -70,7 +70,7 @@ def run_cli(capsys, argv):
 
 
 def train(capsys, micro_args, run_dir, *overrides, force=False):
-    return run_cli(capsys, ["train", "--run-dir", run_dir, *micro_args, *overrides, *(["--force"] * force)])
+    return run_cli(capsys, ["train", "--run-dir", run_dir, *micro_args, *overrides, *(["--start-over"] * force)])
 
 
 def one_line_error(code, err, *fragments):
@@ -122,8 +122,8 @@ def the_run(micro_args, tmp_path_factory):
         torch.set_num_threads(1)
         for path in start_temps + start_finals:
             plant(path, victim, "symlink")
-        # --force: the planted run_info/summary/checkpoints entries look like an earlier run's history
-        result["start"] = main([*args, "train.max_steps=2", "--force"])
+        # --start-over: the planted run_info/summary/checkpoints entries look like an earlier run's history
+        result["start"] = main([*args, "train.max_steps=2", "--start-over"])
         result["start_finals"] = [p for p in start_finals if os.path.lexists(p)]  # lease.json: removed at the end
         result["start_victim"] = open(victim, "rb").read()
         result["start_info"] = json.load(open(os.path.join(run_dir, "run_info.json")))
@@ -274,7 +274,7 @@ def _writers(the_run, micro_args):
     from nagmoe.train.metrics import truncate_metrics
 
     def lease(run_dir):
-        RunDirLease(run_dir, force=True).acquire().release()
+        RunDirLease(run_dir, take_over=True).acquire().release()
 
     def figure(run_dir):
         figures.loss_curves({"g": [([1, 2], [1, 2], [3.0, 2.0])]}, {"g": "#000000"},

@@ -71,10 +71,12 @@ def test_dry_run_4_nodes_x_8_gpus_renders_the_torchrun_launch(repo_root, tmp_pat
     argv = json.loads((tmp_path / "srun.log").read_text())
     launcher = argv.index(next(a for a in argv if a.endswith("torchrun")))
     assert argv[:launcher] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    # the pinned config, named by its content, and its sha256 checked by `nagmoe train` (issue 41)
+    sha = argv[argv.index("--config-sha256") + 1]
     assert argv[launcher + 1:] == [
         "--nnodes", "4", "--nproc_per_node", "8", "--rdzv_backend", "c10d", "--rdzv_endpoint", "gpu01:21234",
-        "--rdzv_id", "1234", "-m", "nagmoe", "train", "--config", str(run_dir / "slurm" / "config.yaml"),
-        "--run-dir", str(run_dir), "--quiet"]
+        "--rdzv_id", "1234", "-m", "nagmoe", "train", "--config", str(run_dir / "slurm" / f"config-{sha[:12]}.yaml"),
+        "--run-dir", str(run_dir), "--quiet", "--config-sha256", sha]
     assert not (tmp_path / "srun.log.scontrol").exists()  # no marker: no requeue
 
 
@@ -93,7 +95,9 @@ def test_cpu_mode_same_template_and_files_written(repo_root, tmp_path):
 
     def body(s):  # everything but the directives and the values that differ by mode
         mode_lines = ("#SBATCH", "PROCS_PER_NODE=", "# CPU mode", "# GPU mode")
-        return [line for line in s.splitlines() if not line.startswith(mode_lines)]
+        # the config differs by mode (train.device), so its pinned name and sha256 do too
+        return [re.sub(r"[0-9a-f]{64}|config-[0-9a-f]{12}", "SHA", line) for line in s.splitlines()
+                if not line.startswith(mode_lines)]
 
     assert body(cpu) == body(gpu)
     cfg = load_config(str(slurm_dir / "config.yaml"))  # the resolved config, overrides applied
@@ -147,7 +151,7 @@ def test_refuses_a_run_dir_with_checkpoints_of_another_config(repo_root, tmp_pat
     assert out.returncode == 2 and "model.d_model: 128 -> 64" in out.stderr, out.stderr
     assert nagmoe("launch", "slurm", "--config", config, "--run-dir", run, "train.max_steps=9").returncode == 0
     assert nagmoe("launch", "slurm", "--config", config, "--run-dir", run, "model.d_model=64",
-                  "--force").returncode == 0
+                  "--accept-config-change").returncode == 0
 
 
 def test_preflight_dry_run_renders_a_short_job_at_the_layout(repo_root, tmp_path):

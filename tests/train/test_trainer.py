@@ -76,7 +76,7 @@ def test_resume_with_changed_model_refuses(micro_config, tmp_path):
     train(micro_config("train.max_steps=2"), run)
     with pytest.raises(UserError, match="model.d_model"):
         Trainer(micro_config("train.max_steps=4", "model.d_model=48"), str(run), quiet=True)
-    train(micro_config("train.max_steps=3", "train.lr_gate=0.002"), run, force=True)  # forced: allowed
+    train(micro_config("train.max_steps=3", "train.lr_gate=0.002"), run, accept_config_change=True)  # accepted
 
 
 def test_bad_data_inputs_exit_2_naming_the_file(micro_config, micro_data, tmp_path, repo_root):
