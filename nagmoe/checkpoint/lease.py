@@ -211,3 +211,10 @@ class RunDirLease:
                 os.remove(self.path)
             except FileNotFoundError:
                 pass
+
+
+def fence_on_all_ranks(mesh, lease: Optional[RunDirLease]) -> None:
+    """Collective (every rank of `mesh`, a nagmoe.parallel.mesh.ParallelMesh): rank 0, the holder, confirms its
+    lease and the verdict is shared, so every rank raises the same UserError together and none waits in a later
+    collective. Ranks other than 0 hold no lease (None)."""
+    mesh.on_rank0(lambda: lease.confirm() if lease is not None else None)

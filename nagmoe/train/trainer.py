@@ -38,7 +38,7 @@ from nagmoe.parallel.expert_parallel import expert_shard_plan, shard_experts
 from nagmoe.parallel.grad_sync import clip_grad_norm_, named_params, sync_expert_grads, wrap_ddp
 from nagmoe.parallel.mesh import ParallelMesh
 from nagmoe.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
-from nagmoe.checkpoint.lease import RunDirLease
+from nagmoe.checkpoint.lease import RunDirLease, fence_on_all_ranks
 from nagmoe.model.router_health import RouterTelemetry
 from nagmoe.train.mod_accounting import ModAccount
 from nagmoe.train.metrics import MetricsWriter, check_metrics_steps, truncate_metrics
@@ -255,7 +255,7 @@ class Trainer:
         """Collective, before each checkpoint publish, metrics write and summary.json: rank 0 confirms the lease is
         still ours; if another trainer took it over, every rank raises the same UserError (exit 2) and nothing
         more is written (nagmoe.checkpoint.lease)."""
-        self.mesh.on_rank0(lambda: self.lease.confirm() if self.lease is not None else None)
+        fence_on_all_ranks(self.mesh, self.lease)
 
     def release_lease(self) -> None:
         """Give the run dir back (rank 0 holds the lease); idempotent."""
