@@ -10,6 +10,7 @@ working directory) and sbatch (its #SBATCH parser, `sbatch_words`, after Slurm 2
 Slurm of tests/slurm and reads the log paths and working directories Slurm really used."""
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -233,6 +234,20 @@ def hostile_dir(base, payload):
     return os.path.join(str(base), f"a{payload}b")
 
 
+class Pinned:
+    """The pinned config of a run dir (issue 41): RUN_DIR/slurm/config-<sha12>.yaml, the path taken literally."""
+
+    def __init__(self, run_dir):
+        self.folder = os.path.join(run_dir, "slurm")
+
+    def __eq__(self, other):
+        return (isinstance(other, str) and os.path.dirname(other) == self.folder
+                and re.fullmatch(r"config-[0-9a-f]{12}\.yaml", os.path.basename(other)) is not None)
+
+    def __repr__(self):
+        return f"Pinned({self.folder!r})"
+
+
 def expected_argv(name, run_dir, runs_root, description):
     """What the launcher stand-in must receive, literally, from each script."""
     run_dir, exp_out = os.path.abspath(run_dir), os.path.join(os.path.abspath(runs_root), "exp")
@@ -240,7 +255,7 @@ def expected_argv(name, run_dir, runs_root, description):
         return "srun", {"--run-dir": run_dir, "--config": os.path.join(run_dir, "slurm", "config.yaml")}
     if name == "exp_train":
         run = os.path.join(exp_out, "nag-s0")
-        return "srun", {"--run-dir": run, "--config": os.path.join(run, "slurm", "config.yaml")}
+        return "srun", {"--run-dir": run, "--config": Pinned(run)}
     if name == "preflight":
         return "srun", {"--dir": os.path.join(run_dir, "preflight")}
     if name.startswith("prepare_"):
