@@ -6,8 +6,8 @@ UserError naming the file and the field, from every reader of that file; a resum
 with one line (exit 2) and nothing in the run dir lost; the report names such a run under Problems and renders
 the others (exit 0), run labels included as given: `$...$` is not mathtext, a leading `_` stays in the legend.
 
-`nagmoe train` runs to the end once here (`good_run`, 2 steps, a checkpoint at step 2); every other test works on
-a copy of it, and every other train call is refused at start."""
+No `nagmoe train` runs to the end here: `good_run` is a copy of the issue's end-to-end run (conftest.py); every
+test works on a copy of it, and every train call here is refused at start."""
 import hashlib
 import json
 import os
@@ -53,14 +53,15 @@ def micro_args(request):
 
 
 @pytest.fixture(scope="module")
-def good_run(micro_args, tmp_path_factory):
-    """A finished run dir: 2 steps of the micro config, its checkpoint at step 2, metrics, summary, run_info.
-    This module's only end-to-end train. The tests read nothing of it by step number, so another module's finished
-    run can replace it: return a copy of that run dir here (e.g. of tests/reliability4/conftest.py's run)."""
+def good_run(tmp_path_factory, request):
+    """A finished run dir (checkpoints, metrics, summary, run_info): a copy of the issue's one end-to-end run,
+    tests/reliability4/conftest.py's `taken_over_run` (its second trainer trained it to the end). The tests read
+    nothing of it by step number; every one works on a further copy."""
+    source = request.getfixturevalue("taken_over_run")
+    assert source["outcome"]["second"]["exit"] == 0, source["outcome"]["second"]["stderr"]
     run_dir = str(tmp_path_factory.mktemp("good") / "run")
-    torch.set_num_threads(1)
-    code = main(["train", "--run-dir", run_dir, *micro_args, "train.max_steps=2", "train.checkpoint_every=2"])
-    assert code == 0 and os.path.isfile(os.path.join(run_dir, state_file(run_dir)))
+    shutil.copytree(source["run_dir"], run_dir)
+    assert os.path.isfile(os.path.join(run_dir, state_file(run_dir)))
     return run_dir
 
 
@@ -239,12 +240,13 @@ def test_a_torn_last_metrics_line_is_what_a_crash_leaves_and_is_skipped(good_run
 
     path = os.path.join(copy_of(good_run, tmp_path, "run"), "metrics.jsonl")
     records = read_metrics(path)
+    last = records[-1]["step"]
     with open(path, "a") as f:
-        f.write('{"step": 3, "tokens": 76')
+        f.write(f'{{"step": {last + 1}, "tokens": 76')
     assert read_metrics(path) == records
-    assert truncate_metrics(path, 2) == len(records) and read_metrics(path) == records
+    assert truncate_metrics(path, last) == len(records) and read_metrics(path) == records
     with open(path, "a") as f:
-        f.write('{"step": 3, "tokens": 76\n')  # with its newline: not a torn append
+        f.write(f'{{"step": {last + 1}, "tokens": 76\n')  # with its newline: not a torn append
     with pytest.raises(UserError, match=rf"line {len(records) + 1}: not valid JSON"):
         read_metrics(path)
 
