@@ -388,7 +388,7 @@ REPORT_SCRIPT = """#!/bin/bash
 {sbatch_lines}
 
 set -uo pipefail
-export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{threads}}}
+export OMP_NUM_THREADS={threads} MKL_NUM_THREADS={threads}  # not the submitting shell's
 OUT={out}
 echo "[nagmoe] report of experiment {name} (job $SLURM_JOB_ID) -> $OUT"
 exec {python} -m nagmoe report {run_dirs} --out {out} --title {title}{description} \\

@@ -1,35 +1,71 @@
 """Settings that describe the machine or cluster rather than the experiment, read from the environment
-(NAGMOE_DIST_TIMEOUT_S, NAGMOE_LEASE_*): a bad value is a UserError naming the variable (exit 2)."""
+(NAGMOE_DIST_TIMEOUT_S, NAGMOE_LEASE_*): a bad value is a UserError naming the variable (exit 2).
+
+Every number is finite, positive and bounded above well below what Python's timers take (`Event.wait` and
+`timedelta` overflow near 9.2e9 s): a timeout or a stale interval at most 7 days, a refresh at most 1 day, and
+the lease's refresh at most a third of its stale interval (else a live holder's lease goes stale between two
+refreshes). No lower bounds beyond > 0: the tests run with sub-second values. `check_start_settings()` reads
+them all once at the start of `nagmoe train`, `launch` and `experiment`, before anything is written."""
 from __future__ import annotations
 
 import math
 import os
 from typing import Mapping, Optional
 
-from nagmoe.errors import UserError
+from nagmoe.errors import UserError, shown
+
+DAY_S = 86400.0
+WEEK_S = 7 * DAY_S
 
 
-def env_seconds(name: str, default: float, environ: Optional[Mapping[str, str]] = None) -> float:
-    """A positive, finite number of seconds from environment variable `name`, `default` when unset or empty."""
+def env_seconds(name: str, default: float, environ: Optional[Mapping[str, str]] = None,
+                upper: float = WEEK_S) -> float:
+    """A positive, finite number of seconds, at most `upper`, from environment variable `name`; `default` when
+    unset or empty."""
     env = os.environ if environ is None else environ
     raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
-        value = float(raw)
+        value = float(raw) if len(raw) <= 64 else -1.0
     except ValueError:
         value = -1.0
     if not (value > 0 and math.isfinite(value)):
-        raise UserError(f"environment variable {name}={raw!r} must be a positive number of seconds")
+        raise UserError(f"environment variable {name}={shown(raw, 60)} must be a positive number of seconds")
+    if value > upper:
+        raise UserError(f"environment variable {name}={shown(raw, 60)} is more than {upper:.0f} s "
+                        f"({upper / DAY_S:.0f} day(s)), the most it may be")
     return value
 
 
 LEASE_REFRESH_ENV, LEASE_STALE_ENV = "NAGMOE_LEASE_REFRESH_S", "NAGMOE_LEASE_STALE_S"
 DEFAULT_LEASE_REFRESH_S, DEFAULT_LEASE_STALE_S = 5.0, 600.0
+DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT_S = "NAGMOE_DIST_TIMEOUT_S", 1800.0  # torch's gloo default
 
 
 def lease_intervals(environ: Optional[Mapping[str, str]] = None) -> tuple[float, float]:
     """(refresh_s, stale_s) of the run-dir lease: how often the holder rewrites it, and how long unrefreshed
-    before another trainer may take it over."""
-    return (env_seconds(LEASE_REFRESH_ENV, DEFAULT_LEASE_REFRESH_S, environ),
-            env_seconds(LEASE_STALE_ENV, DEFAULT_LEASE_STALE_S, environ))
+    before another trainer may take it over. refresh <= stale / 3, so a live holder refreshes at least twice
+    more within the stale interval after any one late refresh."""
+    refresh = env_seconds(LEASE_REFRESH_ENV, DEFAULT_LEASE_REFRESH_S, environ, upper=DAY_S)
+    stale = env_seconds(LEASE_STALE_ENV, DEFAULT_LEASE_STALE_S, environ, upper=WEEK_S)
+    if refresh > stale / 3 * (1 + 1e-9):  # (a rounding margin: 0.05 and 0.15 are related as asked)
+        raise UserError(f"environment variables {LEASE_REFRESH_ENV}={refresh:g} and {LEASE_STALE_ENV}={stale:g}: "
+                        f"the refresh interval must be at most a third of the stale interval, or a live trainer's "
+                        f"lease goes stale")
+    return refresh, stale
+
+
+def dist_timeout_setting(environ: Optional[Mapping[str, str]] = None) -> float:
+    """NAGMOE_DIST_TIMEOUT_S (process-group timeout, seconds; nagmoe.parallel.env.dist_timeout_s)."""
+    return env_seconds(DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT_S, environ)
+
+
+def check_start_settings(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Every NAGMOE_* machine setting (and the job variables of nagmoe.job_environment) read once, so a bad one
+    is one line at start rather than a failure hours in."""
+    from nagmoe.job_environment import check_job_environment
+
+    lease_intervals(environ)
+    dist_timeout_setting(environ)
+    check_job_environment(environ)

@@ -10,6 +10,7 @@ apply to every run. Exit status 1 when a local run failed (the report still show
 from __future__ import annotations
 
 from nagmoe.errors import UserError
+from nagmoe.settings import check_start_settings
 from nagmoe.run_permissions import add_accept_config_change, refuse_force
 
 
@@ -53,6 +54,7 @@ def run(args) -> int:
     from nagmoe import experiment as ex
 
     refuse_force(args)
+    check_start_settings()  # the NAGMOE_* settings and job variables the job will see: one line, before any write
     if args.report_only and args.no_report:
         raise UserError("--report-only and --no-report exclude each other")
     exp = ex.load_experiment(args.file)

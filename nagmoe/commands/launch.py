@@ -14,6 +14,7 @@ import sys
 
 from nagmoe.commands.common import add_config_arguments, config_from_args
 from nagmoe.errors import UserError
+from nagmoe.settings import check_start_settings
 from nagmoe.run_permissions import add_accept_config_change, refuse_force
 
 
@@ -71,6 +72,7 @@ def run(args) -> int:
     from nagmoe.launch import slurm
 
     refuse_force(args)
+    check_start_settings()  # the NAGMOE_* settings and job variables the job will see: one line, before any write
     opts = _options(args)
     if args.submit:
         slurm.require_sbatch()  # before anything is written

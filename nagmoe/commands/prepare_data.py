@@ -46,10 +46,10 @@ def add_arguments(p):
 
 
 def _slurm_array_index() -> int | None:
-    task = os.environ.get("SLURM_ARRAY_TASK_ID")
-    if task is None:
-        return None
-    return int(task) - int(os.environ.get("SLURM_ARRAY_TASK_MIN", "0"))
+    """This array task's slice, SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN (None outside an array job)."""
+    from nagmoe.job_environment import array_task_index
+
+    return array_task_index()
 
 
 def _summary(index: dict, data_dir: str) -> str:

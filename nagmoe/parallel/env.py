@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 
 from nagmoe.errors import UserError
-from nagmoe.settings import env_seconds
+from nagmoe.settings import DEFAULT_DIST_TIMEOUT_S, DIST_TIMEOUT_ENV, dist_timeout_setting
 
 DEFAULT_PORT = 29500
-TIMEOUT_ENV = "NAGMOE_DIST_TIMEOUT_S"  # process-group timeout (rendezvous and collectives), seconds
-DEFAULT_TIMEOUT_S = 1800.0  # torch's gloo default
+TIMEOUT_ENV = DIST_TIMEOUT_ENV  # process-group timeout (rendezvous and collectives), seconds, at most 7 days
+DEFAULT_TIMEOUT_S = DEFAULT_DIST_TIMEOUT_S  # torch's gloo default
 _SLURM_PORT_BASE, _SLURM_PORT_SPAN = 20000, 20000  # SLURM_JOB_ID -> port in [20000, 40000)
 
 
@@ -160,7 +160,7 @@ def dist_timeout_s(environ: Optional[Mapping[str, str]] = None) -> float:
     rendezvous (killed while starting: the others would wait for its store), and a peer that hangs (a frozen
     node, a stuck file system). Keep it above the longest gap between collectives — rank 0 hashes a whole
     checkpoint while the others wait — so the 30-minute default suits large checkpoints."""
-    return env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, environ)
+    return dist_timeout_setting(environ)
 
 
 def init_distributed(env: DistEnv, device: torch.device, timeout_s: Optional[float] = None) -> bool:

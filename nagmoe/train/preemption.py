@@ -26,6 +26,7 @@ import time
 from typing import Callable, NoReturn, Optional
 
 from nagmoe.errors import shown
+from nagmoe.job_environment import hook_setting, launched_by_torchrun, slurm_restart_count
 from nagmoe.read_files import expect, expect_object, read_json
 from nagmoe.safe_files import atomic_writer, write_atomic
 
@@ -39,7 +40,7 @@ def preempted_exit_code() -> int:
     """EXIT_PREEMPTED, except under torchrun (TORCHELASTIC_RUN_ID set): torchrun reports any non-zero worker
     code as a failure with a traceback and exits 1 itself, so there the workers exit 0 and the marker is
     the only signal (the batch script reads it either way)."""
-    return 0 if os.environ.get("TORCHELASTIC_RUN_ID") else EXIT_PREEMPTED
+    return 0 if launched_by_torchrun() else EXIT_PREEMPTED
 
 
 class Preempted(SystemExit):
@@ -105,10 +106,10 @@ def request_stop(run_dir: str, reason: str = "request") -> str:
     return path
 
 
-def _restart_count() -> Optional[int]:
-    """SLURM_RESTART_COUNT as a number (None when it is not one): the marker must not fail on the environment."""
-    value = os.environ.get("SLURM_RESTART_COUNT", "0")
-    return int(value) if value.isascii() and value.isdigit() else None
+def _restart_count() -> int:
+    """SLURM_RESTART_COUNT, validated at the trainer's start (nagmoe.settings.check_start_settings), so the
+    marker cannot fail on it after the checkpoint."""
+    return slurm_restart_count()
 
 
 MARKER_DELAY_ENV = "NAGMOE_TEST_MARKER_DELAY_S"
@@ -117,8 +118,9 @@ MARKER_DELAY_ENV = "NAGMOE_TEST_MARKER_DELAY_S"
 def _marker_delayed_for_a_test() -> bool:
     """Test hook (tests/slurm): with NAGMOE_TEST_MARKER_DELAY_S set, the marker is not written before this
     process exits, as when it is written on another node and the batch script's NFS client does not see it
-    yet, or when the save outlasts the signal window. The batch script must requeue regardless."""
-    return bool(os.environ.get(MARKER_DELAY_ENV))
+    yet, or when the save outlasts the signal window. The batch script must requeue regardless. Acts only
+    under NAGMOE_TEST_HOOKS=1 (nagmoe.job_environment.hook_setting)."""
+    return bool(hook_setting(MARKER_DELAY_ENV))
 
 
 class PreemptionWatch:

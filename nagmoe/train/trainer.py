@@ -41,6 +41,9 @@ from nagmoe.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoin
 from nagmoe.checkpoint.lease import RunDirLease, fence_on_all_ranks
 from nagmoe.model.router_health import RouterTelemetry
 from nagmoe.train.mod_accounting import ModAccount
+from nagmoe.job_environment import describe_environment
+from nagmoe.settings import check_start_settings
+from nagmoe.train.wandb_id import ensure_wandb_id
 from nagmoe.train.metrics import MetricsWriter, check_metrics_steps, truncate_metrics
 from nagmoe.train.optim import build_optimizers
 from nagmoe.train.host_copy import to_device
@@ -108,6 +111,7 @@ class Trainer:
         """`mesh`: the distributed layout (nagmoe.parallel.mesh.ParallelMesh). Without one: the initialised
         process group's layout when there is one and `world_size` is left at 1, else `rank`/`world_size`.
         The three permissions are `nagmoe train`'s flags of the same names (nagmoe/run_permissions.py)."""
+        check_start_settings()  # every NAGMOE_* setting and job variable: one line now, not hours in
         self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
         t, m = cfg.train, cfg.model
         self.device = resolve_device(t.device)
@@ -164,6 +168,7 @@ class Trainer:
                     self._log(f"resuming {latest} on another layout: {change}")
             mesh.on_rank0(lambda: prepare_run_dir(run_dir, cfg, resuming=latest is not None,
                                                           accept_config_change=accept_config_change))
+            mesh.on_rank0(lambda: ensure_wandb_id(run_dir, resuming=latest is not None))
 
             torch.manual_seed(t.seed)
             from nagmoe.model.init_rng import init_model
@@ -242,6 +247,8 @@ class Trainer:
                                 "autocast": self.precision.describe(),
                                 **({"deepspeed": self.engine.describe()} if self.engine is not None else {})})
             self._log(f"device {self.device}; backends: {self.backends}; grad accumulation {self.accum}")
+            if self.rank == 0:  # also under --quiet (job scripts): the job log says what ports and threads it ran on
+                print(f"[nagmoe] environment: {describe_environment()}", file=sys.stderr, flush=True)
             self.wandb = self._init_wandb()
         except BaseException:
             self.release_lease()
@@ -286,6 +293,7 @@ class Trainer:
                 return None
             raise UserError(f"log.wandb={setting} needs wandb: pip install 'nagmoe[wandb]'") from None
         from nagmoe.config import to_dict
+        from nagmoe.train.wandb_id import read_wandb_id
         from nagmoe.train.wandb_mode import resolve_wandb_mode, sync_hint
 
         mode, why_offline = resolve_wandb_mode(setting)  # auto: online only with credentials and an answer
@@ -293,7 +301,7 @@ class Trainer:
             warn(f"log.wandb=auto: offline ({why_offline}); upload later with: {sync_hint(self.run_dir)}")
         return wandb.init(mode=mode, dir=self.run_dir, project=self.cfg.log.project,
                           name=os.path.basename(os.path.abspath(self.run_dir)), config=to_dict(self.cfg),
-                          resume="allow", id=os.path.basename(os.path.abspath(self.run_dir)))
+                          resume="allow", id=read_wandb_id(self.run_dir))  # unique per run dir (wandb_id.py)
 
     def local_executed_fractions(self) -> Optional[list]:
         """The realised executed fraction per sublayer (MoD) of the last step, or None for full depth (and

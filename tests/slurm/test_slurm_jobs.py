@@ -81,7 +81,7 @@ def test_usr1_requeues_even_when_the_marker_never_becomes_visible(slurm_cluster,
     run = str(tmp_path / "run")
     config = micro_yaml(f"train.max_steps={steps}", f"train.schedule_steps={steps}")
     job = job_id(submit(slurm_cluster, "--config", config, "--run-dir", run, *CPU_MODE,
-                        env={"NAGMOE_TEST_MARKER_DELAY_S": "3600"}))
+                        env={"NAGMOE_TEST_MARKER_DELAY_S": "3600", "NAGMOE_TEST_HOOKS": "1"}))
     log = os.path.join(run, "slurm", f"slurm-{job}.out")
     wait_until(lambda: len(logged_steps(run)) >= 3 or slurm_cluster.job(job).get("JobState") in FINAL_STATES,
                180, "three logged steps")
