@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Iterable, Optional
 
-from nagmoe.errors import UserError
+from nagmoe.errors import UserError, shown
 from nagmoe.flops import flops_per_token
 from nagmoe.schema import (
     CHOICES,
@@ -116,22 +116,51 @@ def _check_mod_thresholds(mod) -> None:
                               "no sublayer may skip more than the ceiling, so the target cannot be met")
 
 
+SIZE_LIMIT = 2 ** 31  # one dimension (a width, a count of layers, heads, experts, tokens in a sequence)
+PARAM_LIMIT = 2 ** 40  # ~1.1e12 parameters: far beyond any machine this runs on, well inside int64 arithmetic
+SIZE_KEYS = ("model.vocab_size", "model.d_model", "model.n_layers", "model.max_seq_len", "model.mlp_hidden",
+             "model.attention.n_heads", "model.attention.n_kv_heads", "model.attention.head_dim",
+             "model.attention.q_compression", "model.attention.kv_compression", "model.attention.conv_kernel_1",
+             "model.attention.conv_kernel_2", "model.moe.n_experts", "model.moe.top_k", "model.moe.expert_hidden",
+             "model.nag.C", "data.seq_len")
+
+
+def _check_sizes(cfg: Config) -> None:
+    """Sizes a model can have: each dimension below 2**31 and the whole model below 2**40 parameters, so a
+    typo (`model.d_model=2**40`) is one line naming the key, not an overflow in torch or a memory estimate."""
+    for key in SIZE_KEYS:
+        v = get_key(cfg, key)
+        if v is not None and v >= SIZE_LIMIT:
+            raise ConfigError(f"{key}: {v} is too large (at most {SIZE_LIMIT - 1})")
+    from nagmoe.flops import param_counts
+
+    try:
+        total = param_counts(cfg.model)["total"]
+    except (UserError, ZeroDivisionError, ValueError):
+        return  # the geometry checks below name the key
+    if total > PARAM_LIMIT:
+        raise ConfigError(f"model: {total:.3g} parameters is more than {PARAM_LIMIT:.3g} (model.d_model="
+                          f"{cfg.model.d_model}, model.n_layers={cfg.model.n_layers}, model.vocab_size="
+                          f"{cfg.model.vocab_size}, model.moe.n_experts={cfg.model.moe.n_experts})")
+
+
 def validate_config(cfg: Config) -> None:
     for key, v in _leaf_values(cfg):  # nan/inf parse as floats ("nan", ".inf") but are never a setting
         if isinstance(v, float) and not math.isfinite(v):
-            raise ConfigError(f"{key}: {v!r} must be a finite number")
+            raise ConfigError(f"{key}: {shown(v)} must be a finite number")
     for key, allowed in CHOICES.items():
         v = get_key(cfg, key)
         if v not in allowed:
-            raise ConfigError(f"{key}: {v!r} is not one of {', '.join(allowed)}")
+            raise ConfigError(f"{key}: {shown(v)} is not one of {', '.join(allowed)}")
     for key in POSITIVE:
         v = get_key(cfg, key)
         if v is not None and v <= 0:
-            raise ConfigError(f"{key}: {v!r} must be > 0")
+            raise ConfigError(f"{key}: {shown(v)} must be > 0")
     for key in NON_NEGATIVE:
         v = get_key(cfg, key)
         if v is not None and v < 0:
-            raise ConfigError(f"{key}: {v!r} must be >= 0")
+            raise ConfigError(f"{key}: {shown(v)} must be >= 0")
+    _check_sizes(cfg)
     m, a = cfg.model, cfg.model.attention
     if a.head_dim is None and m.d_model % a.n_heads:
         raise ConfigError(

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from nagmoe.config import Config, ConfigError, dump_yaml, load_config, parse_overrides, set_key, yaml_load
-from nagmoe.errors import UserError
+from nagmoe.errors import UserError, shown
+from nagmoe.yaml_files import read_yaml
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"
@@ -85,7 +86,7 @@ class Experiment:
         if only:
             for name in only:
                 if name not in self.runs:
-                    raise UserError(f"--only: {name!r} is not a run of {self.path} ({_hint(name, names)})")
+                    raise UserError(f"--only: {shown(name)} is not a run of {self.path} ({_hint(name, names)})")
             names = [n for n in names if n in only]
         _refuse_managed(overrides, "command line override")
         plans = []
@@ -176,7 +177,7 @@ def _hint(name: str, known: list) -> str:
 def _check_keys(where: str, data: dict, known: tuple) -> None:
     for key in data:
         if key not in known:
-            raise UserError(f"{where}: unknown key {key!r} ({_hint(str(key), list(known))})")
+            raise UserError(f"{where}: unknown key {shown(key)} ({_hint(str(key), list(known))})")
 
 
 def _override_list(where: str, value) -> list:
@@ -205,11 +206,11 @@ def _positive_number(where: str, value) -> float:
     except (TypeError, ValueError):
         number = None
     if number is None or not number > 0 or number == float("inf"):
-        raise UserError(f"{where}: {value!r} must be a positive number (training FLOPs)")
+        raise UserError(f"{where}: {shown(value)} must be a positive number (training FLOPs)")
     return number
 
 
-def _included_runs(path: str, folder: str, include) -> dict:
+def _included_runs(path: str, folder: str, include, including: tuple = ()) -> dict:
     """The runs of the included experiment files, each with its file's budget, convention and overrides."""
     if include is None:
         return {}
@@ -220,12 +221,12 @@ def _included_runs(path: str, folder: str, include) -> dict:
         sub_path = os.path.normpath(os.path.join(folder, item))
         if os.path.abspath(sub_path) == os.path.abspath(path):
             raise UserError(f"{path}: include: {item} is this file")
-        sub = load_experiment(sub_path)
+        sub = load_experiment(sub_path, including)
         if sub.flop_budget is None and any(r.flop_budget is None for r in sub.runs.values()):
             raise UserError(f"{path}: include: {item} has no flop_budget")
         for name, spec in sub.runs.items():
             if name in runs:
-                raise UserError(f"{path}: include: run {name!r} of {item} is also a run of an earlier file")
+                raise UserError(f"{path}: include: run {shown(name)} of {item} is also a run of an earlier file")
             own = spec.flop_budget is not None
             runs[name] = RunSpec(name, spec.config, [*sub.overrides, *spec.overrides],
                                  spec.flop_budget if own else sub.flop_budget,
@@ -233,43 +234,49 @@ def _included_runs(path: str, folder: str, include) -> dict:
     return runs
 
 
-def load_experiment(path: str) -> Experiment:
-    """Read and check an experiment file; UserError naming the file and the key on any problem."""
+MAX_INCLUDE_CHAIN = 32  # experiment files in one include chain
+
+
+def load_experiment(path: str, _including: tuple = ()) -> Experiment:
+    """Read and check an experiment file; UserError naming the file and the key on any problem. `_including`:
+    the real paths of the files that include this one (a cycle is named as one, not a recursion error)."""
+    real = os.path.realpath(path)
+    if real in _including:
+        chain = " -> ".join(shown(os.path.basename(p), 60) for p in (*_including, real))
+        raise UserError(f"include cycle: {chain}")
+    if len(_including) >= MAX_INCLUDE_CHAIN:
+        raise UserError(f"{shown(path)}: include chain longer than {MAX_INCLUDE_CHAIN} files")
     if not os.path.isfile(path):
-        raise UserError(f"experiment file not found: {path}")
-    with open(path) as f:
-        try:
-            data = yaml_load(f)
-        except Exception as e:  # yaml.YAMLError and friends: one line
-            raise UserError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+        raise UserError(f"experiment file not found: {shown(path)}")
+    data = read_yaml(path)  # UTF-8, bounded (nagmoe.yaml_files): one line on any YAML problem
     if not isinstance(data, dict):
         raise UserError(f"{path}: top level must be a mapping with name, flop_budget, seeds, runs")
     _check_keys(path, data, TOP_KEYS)
     needed = ("name", "seeds") + (() if data.get("include") else ("flop_budget", "runs"))
     for key in needed:
         if key not in data:
-            raise UserError(f"{path}: missing {key!r} (an experiment needs name, flop_budget, seeds, runs)")
+            raise UserError(f"{path}: missing {shown(key)} (an experiment needs name, flop_budget, seeds, runs)")
     if data.get("runs") and "flop_budget" not in data:
         raise UserError(f"{path}: missing 'flop_budget' (the file's own runs need one)")
     name = data["name"]
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise UserError(f"{path}: name: {name if not isinstance(name, str) else name[:60]!r} must be one word of "
+        raise UserError(f"{path}: name: {shown(name, 60)} must be one word of "
                         "letters, digits, '.', '_' or '-'")
     budget = _positive_number(f"{path}: flop_budget", data["flop_budget"]) if "flop_budget" in data else None
     convention = data.get("flop_convention")
     if convention is not None and convention not in ("matmul", "non_embedding"):
-        raise UserError(f"{path}: flop_convention: {convention!r} must be matmul or non_embedding")
+        raise UserError(f"{path}: flop_convention: {shown(convention)} must be matmul or non_embedding")
     seeds = data["seeds"]
     seeds = [seeds] if isinstance(seeds, int) and not isinstance(seeds, bool) else seeds
     if (not isinstance(seeds, list) or not seeds
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
-        raise UserError(f"{path}: seeds: {data['seeds']!r} must be a non-empty list of integers >= 0")
+            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2 ** 63 for s in seeds)):
+        raise UserError(f"{path}: seeds: {shown(data['seeds'])} must be a non-empty list of integers in [0, 2**63)")
     if len(set(seeds)) != len(seeds):
         raise UserError(f"{path}: seeds: {seeds} repeats a seed")
     if "runs" in data and (not isinstance(data["runs"], dict) or not data["runs"]):
         raise UserError(f"{path}: runs: must map run names to {{config: PATH, overrides: [...]}}")
     folder = os.path.dirname(os.path.abspath(path))
-    runs = _included_runs(path, folder, data.get("include"))
+    runs = _included_runs(path, folder, data.get("include"), (*_including, real))
     for run_name, spec in (data.get("runs") or {}).items():
         where = f"{path}: runs.{run_name}"
         if not isinstance(run_name, str) or not _NAME.fullmatch(run_name):
@@ -290,7 +297,7 @@ def load_experiment(path: str) -> Experiment:
         _check_keys(f"{path}: report", data["report"], REPORT_KEYS)
         for key, value in data["report"].items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise UserError(f"{path}: report.{key}: {value!r} must be an integer >= 0 (0 = skip)")
+                raise UserError(f"{path}: report.{key}: {shown(value)} must be an integer >= 0 (0 = skip)")
             report[key] = value
     return Experiment(name=name, flop_budget=budget, seeds=list(seeds), runs=runs, path=path,
                       overrides=_override_list(f"{path}: overrides", data.get("overrides")), report=report,

@@ -8,6 +8,7 @@ Every key a user can set lives in one of the dataclasses below; the dotted path 
 from __future__ import annotations
 
 import dataclasses
+import math
 import difflib
 import os
 import re
@@ -18,27 +19,23 @@ from typing import Any, Iterable, Optional
 import yaml
 
 
-from nagmoe.errors import UserError
+from nagmoe.errors import UserError, shown
+from nagmoe.yaml_files import BoundedLoader, YAMLBoundError
 
 
 class ConfigError(UserError, ValueError):
     """Bad user configuration; the message names the key and what is allowed."""
 
 
-class _Yaml12Loader(yaml.SafeLoader):
-    """YAML 1.2 booleans: only true/false are booleans, so `wandb: off` stays the string "off"."""
-
-
-_Yaml12Loader.yaml_implicit_resolvers = {
-    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
-    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-
-
 def yaml_load(text_or_stream):
-    return yaml.load(text_or_stream, Loader=_Yaml12Loader)
+    """YAML 1.2 booleans, bounded (nagmoe.yaml_files: nesting, alias expansion, duplicate keys, digit limits);
+    any failure is a yaml.YAMLError with a one-line message."""
+    try:
+        return yaml.load(text_or_stream, Loader=BoundedLoader)
+    except RecursionError:
+        raise YAMLBoundError("nested too deeply") from None
+    except (ValueError, OverflowError) as e:  # e.g. an integer beyond Python's digit limit
+        raise YAMLBoundError(shown(str(e), 200)[1:-1]) from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -289,7 +286,7 @@ def _unwrap_optional(tp) -> tuple[Any, bool]:
 _BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
 
-def _coerce(key: str, value: Any, tp) -> Any:
+def _coerce_unbounded(key: str, value: Any, tp) -> Any:
     """Convert a YAML/override value to the field's type, or raise ConfigError naming the key."""
     base, optional = _unwrap_optional(tp)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and base is not str):
@@ -301,10 +298,10 @@ def _coerce(key: str, value: Any, tp) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
             return value.lower() in ("true", "yes", "on", "1")
-        raise ConfigError(f"{key}: {value!r} is not a boolean (use true or false)")
+        raise ConfigError(f"{key}: {shown(value)} is not a boolean (use true or false)")
     if base is int:
         if isinstance(value, bool):
-            raise ConfigError(f"{key}: {value!r} is not an integer")
+            raise ConfigError(f"{key}: {shown(value)} is not an integer")
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -313,13 +310,13 @@ def _coerce(key: str, value: Any, tp) -> Any:
             try:
                 f = float(value.replace("_", ""))
             except ValueError:
-                raise ConfigError(f"{key}: {value!r} is not an integer") from None
+                raise ConfigError(f"{key}: {shown(value)} is not an integer") from None
             if f.is_integer():
                 return int(f)
-        raise ConfigError(f"{key}: {value!r} is not an integer")
+        raise ConfigError(f"{key}: {shown(value)} is not an integer")
     if base is float:
         if isinstance(value, bool):
-            raise ConfigError(f"{key}: {value!r} is not a number")
+            raise ConfigError(f"{key}: {shown(value)} is not a number")
         if isinstance(value, (int, float)):
             return float(value)
         if isinstance(value, str):
@@ -327,14 +324,33 @@ def _coerce(key: str, value: Any, tp) -> Any:
                 return float(value.replace("_", ""))
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: {value!r} is not a number")
+        raise ConfigError(f"{key}: {shown(value)} is not a number")
     if base is str:
-        if key in TRISTATE_KEYS and str(value).lower() in _BOOL_WORDS:  # True -> "true", "off" -> "false"
+        # True -> "true", "off" -> "false" (only scalars are looked at: str() of a container would expand it)
+        if key in TRISTATE_KEYS and isinstance(value, (str, bool)) and str(value).lower() in _BOOL_WORDS:
             return "true" if _BOOL_WORDS[str(value).lower()] else "false"
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{key}: {value!r} is not a string")
+        raise ConfigError(f"{key}: {shown(value)} is not a string")
     raise ConfigError(f"{key}: unsupported field type {tp}")  # pragma: no cover - schema bug
+
+
+INT_LIMIT = 2 ** 63  # every integer key fits a signed 64-bit int (torch seeds, counters); beyond is a typo
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """`value` as the field's type; a container where a scalar belongs is refused before anything expands it,
+    an integer must lie within +-2**63 and a number must be finite (1e23 as a seed overflowed in torch)."""
+    if isinstance(value, (dict, list, tuple, set)):
+        kind = "a mapping" if isinstance(value, dict) else "a list"
+        raise ConfigError(f"{key}: got {kind} ({shown(value, 80)}) where a single value belongs")
+    out = _coerce_unbounded(key, value, tp)
+    if isinstance(out, int) and not isinstance(out, bool) and not -INT_LIMIT < out < INT_LIMIT:
+        raise ConfigError(f"{key}: {shown(value, 60)} is out of range (at most 2**63 - 1)")
+    if isinstance(out, float) and not math.isfinite(out) and isinstance(value, str) and \
+            value.strip().lower().lstrip("+-") not in ("inf", "infinity", ".inf", "nan", ".nan"):
+        raise ConfigError(f"{key}: {shown(value, 60)} is out of range (not a finite number)")
+    return out
 
 
 def _unknown_key(key: str, known: Iterable[str]) -> ConfigError:
@@ -348,7 +364,7 @@ def _unknown_key(key: str, known: Iterable[str]) -> ConfigError:
 
 def _from_dict(cls, data: dict, prefix: str = ""):
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {shown(data)}")
     types = _field_types(cls)
     kwargs = {}
     for k, v in data.items():
@@ -433,30 +449,42 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+MAX_INHERIT_CHAIN = 32  # files in one inherit chain: deeper is a mistake, not a config
+
+
 def _read_yaml_tree(path: str, stack: tuple[str, ...] = ()) -> dict:
-    path = os.path.abspath(path)
-    if path in stack:
-        chain = " -> ".join(os.path.basename(p) for p in (*stack, path))
+    """The config at `path` with its `inherit:` parents merged under it. Read as UTF-8 and bounded (nagmoe.yaml_files);
+    `inherit` is one path or a list of paths (strings), relative to the file; a cycle is named as one (files
+    compared by their real path, so a symlink or `./` cannot hide it); a chain is at most MAX_INHERIT_CHAIN files."""
+    from nagmoe.read_files import read_text
+
+    real = os.path.realpath(path)
+    if real in stack:
+        chain = " -> ".join(shown(os.path.basename(p), 60) for p in (*stack, real))
         raise ConfigError(f"inherit cycle: {chain}")
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
+    if len(stack) >= MAX_INHERIT_CHAIN:
+        raise ConfigError(f"{shown(path)}: inherit chain longer than {MAX_INHERIT_CHAIN} files")
+    if not os.path.isfile(real):
+        raise ConfigError(f"config file not found: {shown(os.path.abspath(path))}")
     try:
-        with open(path) as f:
-            data = yaml_load(f) or {}
+        data = yaml_load(read_text(real)) or {}
     except yaml.YAMLError as e:
-        first = str(e).splitlines()[0] if str(e) else "parse error"
-        raise ConfigError(f"{path}: invalid YAML ({first})") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "parse error"
+        raise ConfigError(f"{shown(path)}: invalid YAML ({shown(first, 300)[1:-1]})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping")
+        raise ConfigError(f"{shown(path)}: top level must be a mapping")
     parents = data.pop("inherit", None)
     if parents is None:
         return data
     if isinstance(parents, str):
         parents = [parents]
+    if not isinstance(parents, list) or not all(isinstance(p, str) and p for p in parents):
+        raise ConfigError(f"{shown(path)}: inherit: {shown(parents, 80)} must be a path or a list of paths "
+                          "(strings, relative to this file)")
     merged: dict = {}
     for parent in parents:
-        parent_path = os.path.join(os.path.dirname(path), parent)
-        merged = _deep_merge(merged, _read_yaml_tree(parent_path, (*stack, path)))
+        parent_path = os.path.join(os.path.dirname(real), parent)
+        merged = _deep_merge(merged, _read_yaml_tree(parent_path, (*stack, real)))
     return _deep_merge(merged, data)
 
 
@@ -464,7 +492,7 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, str]]:
     pairs = []
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override '{item}' must look like key.sub=value")
+            raise ConfigError(f"override {shown(item)} must look like key.sub=value")
         k, v = item.split("=", 1)
         pairs.append((k.strip(), v))
     return pairs
@@ -510,12 +538,12 @@ def eligible_sublayers(n_layers: int, mode: str) -> list[bool]:
     """Which of the 2·n_layers sublayers (attention of block i at 2i, its FFN at 2i+1) may skip tokens.
     `every_other`: both sublayers of the odd blocks (1, 3, ...), so block 0 always runs at full depth."""
     if mode not in ELIGIBLE_MODES:
-        raise UserError(f"model.mod.sublayers: {mode!r} is not one of {', '.join(ELIGIBLE_MODES)}")
+        raise UserError(f"model.mod.sublayers: {shown(mode)} is not one of {', '.join(ELIGIBLE_MODES)}")
     out = []
     for index in range(2 * n_layers):
         block, is_attention = index // 2, index % 2 == 0
         out.append({"all": True, "attention": is_attention, "ffn": not is_attention,
                     "every_other": block % 2 == 1}[mode])
     if not any(out):
-        raise UserError(f"model.mod.sublayers: {mode!r} with model.n_layers={n_layers} leaves no sublayer to skip")
+        raise UserError(f"model.mod.sublayers: {shown(mode)} with model.n_layers={n_layers} leaves no sublayer to skip")
     return out

@@ -10,8 +10,7 @@ import subprocess
 import sys
 import time
 
-from nagmoe.config import (RESUMABLE_KEYS, Config, config_from_dict, dump_yaml, missing_legacy_keys, set_key, to_dict,
-                           yaml_load)
+from nagmoe.config import RESUMABLE_KEYS, Config, config_from_dict, dump_yaml, missing_legacy_keys, set_key, to_dict
 from nagmoe.errors import UserError, shown
 from nagmoe.read_files import NUMBER, expect, expect_object, read_json
 from nagmoe.safe_files import write_atomic
@@ -37,7 +36,7 @@ def config_differences(saved: Config, new: Config) -> list[str]:
     """Keys (other than the schedule-length and layout ones a resume may change) whose values differ."""
     a, b = _flatten(to_dict(saved)), _flatten(to_dict(new))
     may_change = set(RESUMABLE_KEYS) | set(RESUMABLE_LAYOUT_KEYS)
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+    return [f"{k}: {shown(a.get(k), 60)} -> {shown(b.get(k), 60)}" for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k) and k not in may_change]
 
 
@@ -45,8 +44,9 @@ def _saved_yaml(run_dir: str):
     path = os.path.join(run_dir, CONFIG_FILE)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return yaml_load(f) or {}
+    from nagmoe.yaml_files import read_yaml
+
+    return read_yaml(path) or {}  # UTF-8, bounded; a torn or foreign file is one line naming it
 
 
 def read_saved_config(run_dir: str):
