@@ -43,7 +43,7 @@ from typing import Callable, Optional
 
 from nagmoe.config import Config, ConfigError, dump_yaml, load_config, parse_overrides, set_key, yaml_load
 from nagmoe.errors import UserError, shown
-from nagmoe.yaml_files import read_yaml
+from nagmoe.yaml_files import next_in_chain, read_yaml
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"
@@ -234,18 +234,10 @@ def _included_runs(path: str, folder: str, include, including: tuple = ()) -> di
     return runs
 
 
-MAX_INCLUDE_CHAIN = 32  # experiment files in one include chain
-
-
 def load_experiment(path: str, _including: tuple = ()) -> Experiment:
     """Read and check an experiment file; UserError naming the file and the key on any problem. `_including`:
     the real paths of the files that include this one (a cycle is named as one, not a recursion error)."""
-    real = os.path.realpath(path)
-    if real in _including:
-        chain = " -> ".join(shown(os.path.basename(p), 60) for p in (*_including, real))
-        raise UserError(f"include cycle: {chain}")
-    if len(_including) >= MAX_INCLUDE_CHAIN:
-        raise UserError(f"{shown(path)}: include chain longer than {MAX_INCLUDE_CHAIN} files")
+    real = next_in_chain(path, _including, "include")
     if not os.path.isfile(path):
         raise UserError(f"experiment file not found: {shown(path)}")
     data = read_yaml(path)  # UTF-8, bounded (nagmoe.yaml_files): one line on any YAML problem

@@ -20,7 +20,7 @@ import yaml
 
 
 from nagmoe.errors import UserError, shown
-from nagmoe.yaml_files import BoundedLoader, YAMLBoundError
+from nagmoe.yaml_files import BoundedLoader, YAMLBoundError, next_in_chain
 
 
 class ConfigError(UserError, ValueError):
@@ -449,21 +449,14 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-MAX_INHERIT_CHAIN = 32  # files in one inherit chain: deeper is a mistake, not a config
-
-
 def _read_yaml_tree(path: str, stack: tuple[str, ...] = ()) -> dict:
     """The config at `path` with its `inherit:` parents merged under it. Read as UTF-8 and bounded (nagmoe.yaml_files);
     `inherit` is one path or a list of paths (strings), relative to the file; a cycle is named as one (files
-    compared by their real path, so a symlink or `./` cannot hide it); a chain is at most MAX_INHERIT_CHAIN files."""
+    compared by their real path, so a symlink or `./` cannot hide it); a chain is at most 32 files
+    (nagmoe.yaml_files.next_in_chain)."""
     from nagmoe.read_files import read_text
 
-    real = os.path.realpath(path)
-    if real in stack:
-        chain = " -> ".join(shown(os.path.basename(p), 60) for p in (*stack, real))
-        raise ConfigError(f"inherit cycle: {chain}")
-    if len(stack) >= MAX_INHERIT_CHAIN:
-        raise ConfigError(f"{shown(path)}: inherit chain longer than {MAX_INHERIT_CHAIN} files")
+    real = next_in_chain(path, stack, "inherit", ConfigError)
     if not os.path.isfile(real):
         raise ConfigError(f"config file not found: {shown(os.path.abspath(path))}")
     try:

@@ -14,6 +14,7 @@ A failure is a YAMLBoundError (a yaml.YAMLError, so existing `except yaml.YAMLEr
 whose text is one short line."""
 from __future__ import annotations
 
+import os
 import re
 
 import yaml
@@ -107,6 +108,24 @@ def _check_expanded_size(root) -> None:
             raise YAMLBoundError(f"more than {MAX_NODES:,} values once its aliases are expanded (an alias bomb?); "
                                  f"line {node.start_mark.line + 1}")
         size[key] = total
+
+
+MAX_CHAIN = 32  # files in one inherit (configs) or include (experiments) chain
+
+
+def next_in_chain(path: str, chain: tuple, what: str, error=UserError) -> str:
+    """The real path of `path`, the next file of an `inherit`/`include` chain whose files so far (real paths)
+    are `chain`: a cycle is named as one (a symlink or `./` cannot hide it), a chain is at most MAX_CHAIN files,
+    a path the OS cannot take (a NUL byte) is refused. `error`: the UserError subclass to raise."""
+    try:
+        real = os.path.realpath(path)
+    except (ValueError, OSError):
+        raise error(f"{what}: {shown(path, 80)} is not a usable path") from None
+    if real in chain:
+        raise error(f"{what} cycle: " + " -> ".join(shown(os.path.basename(p), 60) for p in (*chain, real)))
+    if len(chain) >= MAX_CHAIN:
+        raise error(f"{shown(path)}: {what} chain longer than {MAX_CHAIN} files")
+    return real
 
 
 def load_yaml(text: str, where: str):

@@ -40,6 +40,7 @@ CONFIG_CASES = {  # a config file's text -> what the line names
     "inherit: [1]": ("inherit: [1]\n", "inherit"),
     "inherit: 5": ("inherit: 5\n", "inherit"),
     "inherit: [null]": ("inherit: [null]\n", "inherit"),
+    "inherit: a NUL byte": ('inherit: ["a\\0b"]\n', "not a usable path"),
     "5,000-deep nesting": ("train: " + "[" * 5000 + "]" * 5000 + "\n", "nested deeper"),
     "5,001-digit integer": (f"inherit: {TINY}\ntrain:\n  seed: {'9' * 5001}\n", "digits"),
     "train.seed: 1e23": (f"inherit: {TINY}\ntrain:\n  seed: 1e23\n", "train.seed"),
