@@ -37,31 +37,29 @@ from typing import Optional
 
 from nagmoe.errors import UserError, shown
 from nagmoe.job_environment import slurm_restart_count
-from nagmoe.read_files import loads_json, read_text
+from nagmoe.read_files import expect, expect_object, loads_json, read_text
 from nagmoe.safe_files import write_atomic
 from nagmoe.settings import lease_intervals
 
 LEASE_FILE = "lease.json"
-# the fields a lease must have, and their types (bool is excluded from the numbers below)
+# the fields a lease must have, and their types
 FIELDS = {"host": str, "pid": int, "token": str, "refreshed": (int, float)}
 OPTIONAL = {"slurm_job_id": (str, type(None)), "slurm_restart_count": int, "acquired": (int, float)}
 
 log = logging.getLogger("nagmoe.checkpoint")
 
 
-def _invalid(holder) -> Optional[str]:
-    """Why `holder` (parsed JSON) is not a lease, or None."""
-    if not isinstance(holder, dict):
-        return f"expected a JSON object, got {type(holder).__name__}"
-    for fields, required in ((FIELDS, True), (OPTIONAL, False)):
-        for key, kinds in fields.items():
-            if key not in holder:
-                if required:
-                    return f"missing field {key!r}"
-                continue
-            value = holder[key]
-            if isinstance(value, bool) or not isinstance(value, kinds):
-                return f"field {key!r} is {shown(value, 60)}"
+def _invalid(holder, where: str) -> Optional[str]:
+    """Why `holder` (parsed JSON) is not a lease, or None: the project's typed-field check (nagmoe.read_files:
+    bool is not a number, a time must be finite — a NaN `refreshed` would never go stale)."""
+    try:
+        expect_object(holder, where)
+        for key, kinds in FIELDS.items():
+            expect(holder, key, kinds, where)
+        for key, kinds in OPTIONAL.items():
+            expect(holder, key, kinds, where, required=False)
+    except UserError as e:
+        return str(e)
     return None
 
 
@@ -77,9 +75,9 @@ def read_lease(run_dir: str) -> Optional[dict]:
         return {"invalid": str(e)}
     except OSError as e:
         return {"invalid": f"{shown(path)}: {e.strerror or type(e).__name__}"}
-    reason = _invalid(holder)
+    reason = _invalid(holder, shown(path))
     if reason is not None:
-        return {"invalid": f"{shown(path)}: {reason}"}
+        return {"invalid": reason}
     return {**holder, "mtime": mtime}
 
 

@@ -105,8 +105,9 @@ def test_a_lease_dated_within_the_margin_counts_as_refreshed_now(tmp_path):
 
 
 @pytest.mark.parametrize("content", [b"[1]", b'{"refreshed": "soon"}', b"[" * 100000, b"\xff\xfe{}",
-                                     b'{"host": "h", "pid": true, "token": "t", "refreshed": 1}'],
-                         ids=["list", "string-time", "deep", "not-utf8", "bool-pid"])
+                                     b'{"host": "h", "pid": true, "token": "t", "refreshed": 1}',
+                                     b'{"host": "h", "pid": 1, "token": "t", "refreshed": NaN}'],
+                         ids=["list", "string-time", "deep", "not-utf8", "bool-pid", "nan-time"])
 def test_a_lease_file_that_is_not_a_lease_is_stale_with_a_warning(tmp_path, caplog, content):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
