@@ -81,14 +81,15 @@ def hook_setting(name: str, environ: Optional[Mapping[str, str]] = None) -> str:
     return env.get(name, "") if env.get(TEST_HOOKS_ENV) == "1" else ""
 
 
-def check_job_environment(environ: Optional[Mapping[str, str]] = None) -> None:
-    """The job variables read once at start (nagmoe.settings.check_start_settings); a test hook set without
-    the switch is named in a warning (it does nothing)."""
+def check_job_environment(environ: Optional[Mapping[str, str]] = None, announce: bool = False) -> None:
+    """The job variables read once at start (nagmoe.settings.check_start_settings). `announce` (the commands,
+    once per process; not the Trainer, which an experiment builds once per run): a test hook set without the
+    switch is named in a warning (it does nothing)."""
     env = _env(environ)
     slurm_restart_count(env)
     launched_by_torchrun(env)
     ignored = sorted(k for k in env if k.startswith(TEST_HOOK_PREFIX) and env.get(k))
-    if ignored and env.get(TEST_HOOKS_ENV) != "1":
+    if announce and ignored and env.get(TEST_HOOKS_ENV) != "1":
         log.warning("ignoring test hook(s) %s: they act only under %s=1", shown(", ".join(ignored), 200),
                     TEST_HOOKS_ENV)
 

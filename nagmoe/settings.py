@@ -61,11 +61,12 @@ def dist_timeout_setting(environ: Optional[Mapping[str, str]] = None) -> float:
     return env_seconds(DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT_S, environ)
 
 
-def check_start_settings(environ: Optional[Mapping[str, str]] = None) -> None:
-    """Every NAGMOE_* machine setting (and the job variables of nagmoe.job_environment) read once, so a bad one
-    is one line at start rather than a failure hours in."""
+def check_start_settings(environ: Optional[Mapping[str, str]] = None, announce: bool = False) -> None:
+    """Every NAGMOE_* machine setting (and the job variables of nagmoe.job_environment) read, so a bad one is one
+    line at start rather than a failure hours in. `announce`: also warn of ignored test hooks (the commands do,
+    once; the Trainer only validates, for API users)."""
     from nagmoe.job_environment import check_job_environment
 
     lease_intervals(environ)
     dist_timeout_setting(environ)
-    check_job_environment(environ)
+    check_job_environment(environ, announce)

@@ -54,7 +54,7 @@ def run(args) -> int:
     from nagmoe import experiment as ex
 
     refuse_force(args)
-    check_start_settings()  # the NAGMOE_* settings and job variables the job will see: one line, before any write
+    check_start_settings(announce=True)  # NAGMOE_* settings and job variables: one line, before any write
     if args.report_only and args.no_report:
         raise UserError("--report-only and --no-report exclude each other")
     exp = ex.load_experiment(args.file)

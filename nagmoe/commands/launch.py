@@ -72,7 +72,7 @@ def run(args) -> int:
     from nagmoe.launch import slurm
 
     refuse_force(args)
-    check_start_settings()  # the NAGMOE_* settings and job variables the job will see: one line, before any write
+    check_start_settings(announce=True)  # NAGMOE_* settings and job variables: one line, before any write
     opts = _options(args)
     if args.submit:
         slurm.require_sbatch()  # before anything is written

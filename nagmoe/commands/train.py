@@ -25,7 +25,7 @@ def run(args) -> int:
     from nagmoe.train.trainer import Trainer
 
     refuse_force(args, train=True)
-    check_start_settings()  # the NAGMOE_* settings and job variables the job will see: one line, before any write
+    check_start_settings(announce=True)  # NAGMOE_* settings and job variables: one line, before any write
     check_config_sha256(args.config, args.config_sha256)  # a job's acceptance holds for its submitted config only
     cfg = config_from_args(args)
     run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])

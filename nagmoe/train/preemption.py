@@ -106,12 +106,6 @@ def request_stop(run_dir: str, reason: str = "request") -> str:
     return path
 
 
-def _restart_count() -> int:
-    """SLURM_RESTART_COUNT, validated at the trainer's start (nagmoe.settings.check_start_settings), so the
-    marker cannot fail on it after the checkpoint."""
-    return slurm_restart_count()
-
-
 MARKER_DELAY_ENV = "NAGMOE_TEST_MARKER_DELAY_S"
 
 
@@ -173,7 +167,7 @@ class PreemptionWatch:
             marker = {"step": step, "checkpoint": path, "reason": self.local_reason() or "another rank",
                       "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                       "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-                      "slurm_restart_count": _restart_count()}
+                      "slurm_restart_count": slurm_restart_count()}  # checked at start
             with atomic_writer(self.marker_path, durable=True) as f:  # read by the batch script, maybe elsewhere
                 json.dump(marker, f, indent=1)
             _remove_quietly(self.request_path)

@@ -159,3 +159,16 @@ def test_a_bad_setting_shows_no_traceback_from_the_command_line(tmp_path):
                           str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr and len(out.stderr) < 1000, \
         out.stderr[-2000:]
+
+
+def test_a_test_hook_without_the_switch_is_named_once_at_start(monkeypatch, tmp_path, caplog):
+    """The start checks run once per `nagmoe train` (the command and the Trainer must not both run them)."""
+    import logging
+
+    monkeypatch.delenv("NAGMOE_TEST_HOOKS", raising=False)
+    monkeypatch.setenv("NAGMOE_TEST_MARKER_DELAY_S", "3600")
+    with caplog.at_level(logging.WARNING, logger="nagmoe.train"):
+        main(["train", "--config", TINY, "--run-dir", str(tmp_path / "run"), "--quiet",
+              f"data.data_dir={tmp_path / 'no-data'}"])
+    warned = [r.getMessage() for r in caplog.records if "ignoring test hook" in r.getMessage()]
+    assert len(warned) == 1 and "NAGMOE_TEST_MARKER_DELAY_S" in warned[0], warned
