@@ -20,22 +20,14 @@ import yaml
 
 
 from nagmoe.errors import UserError, shown
-from nagmoe.yaml_files import BoundedLoader, YAMLBoundError, next_in_chain
+from nagmoe.yaml_files import load_yaml, next_in_chain, parse
 
 
 class ConfigError(UserError, ValueError):
     """Bad user configuration; the message names the key and what is allowed."""
 
 
-def yaml_load(text_or_stream):
-    """YAML 1.2 booleans, bounded (nagmoe.yaml_files: nesting, alias expansion, duplicate keys, digit limits);
-    any failure is a yaml.YAMLError with a one-line message."""
-    try:
-        return yaml.load(text_or_stream, Loader=BoundedLoader)
-    except RecursionError:
-        raise YAMLBoundError("nested too deeply") from None
-    except (ValueError, OverflowError) as e:  # e.g. an integer beyond Python's digit limit
-        raise YAMLBoundError(shown(str(e), 200)[1:-1]) from None
+yaml_load = parse  # YAML 1.2 booleans, bounded (nagmoe.yaml_files); every failure a one-line yaml.YAMLError
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -459,11 +451,7 @@ def _read_yaml_tree(path: str, stack: tuple[str, ...] = ()) -> dict:
     real = next_in_chain(path, stack, "inherit", ConfigError)
     if not os.path.isfile(real):
         raise ConfigError(f"config file not found: {shown(os.path.abspath(path))}")
-    try:
-        data = yaml_load(read_text(real)) or {}
-    except yaml.YAMLError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "parse error"
-        raise ConfigError(f"{shown(path)}: invalid YAML ({shown(first, 300)[1:-1]})") from None
+    data = load_yaml(read_text(real), shown(path), ConfigError) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{shown(path)}: top level must be a mapping")
     parents = data.pop("inherit", None)

@@ -128,21 +128,28 @@ def next_in_chain(path: str, chain: tuple, what: str, error=UserError) -> str:
     return real
 
 
-def load_yaml(text: str, where: str):
-    """The YAML document in `text` (str, already decoded); any failure is a UserError '<where>: invalid YAML
-    (<one line>)'. `where` is shown as given: pass a shown() path."""
+def parse(text_or_stream):
+    """yaml.load with BoundedLoader; every failure a yaml.YAMLError (YAMLBoundError for what PyYAML itself would
+    raise as RecursionError or ValueError) with a one-line message. `nagmoe.config.yaml_load` is this."""
     try:
-        return yaml.load(text, Loader=BoundedLoader)
+        return yaml.load(text_or_stream, Loader=BoundedLoader)
+    except RecursionError:
+        raise YAMLBoundError("nested too deeply") from None
+    except (ValueError, OverflowError) as e:  # e.g. an integer beyond Python's digit limit
+        raise YAMLBoundError(shown(str(e), 200)[1:-1]) from None
+
+
+def load_yaml(text: str, where: str, error=UserError):
+    """The YAML document in `text` (str, already decoded); any failure is `error` (a UserError subclass)
+    '<where>: invalid YAML (<one line>)'. `where` is shown as given: pass a shown() path."""
+    try:
+        return parse(text)
     except yaml.YAMLError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else "parse error"
         mark = getattr(e, "problem_mark", None)
-        if mark is not None and not isinstance(e, YAMLBoundError):
+        if mark is not None:
             first = f"{getattr(e, 'problem', None) or first} at line {mark.line + 1}"
-        raise UserError(f"{where}: invalid YAML ({shown(first, 300)[1:-1]})") from None
-    except RecursionError:
-        raise UserError(f"{where}: invalid YAML (nested too deeply)") from None
-    except (ValueError, OverflowError) as e:  # e.g. an integer beyond Python's digit limit
-        raise UserError(f"{where}: invalid YAML ({shown(str(e), 200)[1:-1]})") from None
+        raise error(f"{where}: invalid YAML ({shown(first, 300)[1:-1]})") from None
 
 
 def read_yaml(path: str):

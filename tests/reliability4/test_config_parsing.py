@@ -128,3 +128,11 @@ def test_from_the_command_line_no_traceback_and_a_path_with_a_newline_stays_one_
                              timeout=120)
         assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr, out.stderr[-2000:]
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_config_and_an_experiment_name_the_line_of_a_yaml_error_alike(tmp_path, capsys):
+    """One YAML reader for configs and experiments (nagmoe.yaml_files.load_yaml): the same one-line message."""
+    bad = "name: x\nseeds: [0,\n"
+    config_line = one_line(capsys, ["config", "--config", write(tmp_path, "c.yaml", bad)], "invalid YAML")
+    exp_line = one_line(capsys, ["experiment", write(tmp_path, "e.yaml", bad), "--slurm", "--dry-run"], "invalid YAML")
+    assert "at line 3" in config_line and config_line.split("invalid YAML")[1] == exp_line.split("invalid YAML")[1]
