@@ -25,6 +25,7 @@ COMMANDS = {
     "launch": ("launch", "launch on a cluster (slurm)"),
     "preflight": ("preflight", "one rank's part of a preflight job (nagmoe launch slurm --preflight)"),
     "bench": ("bench", "benchmarks (ratios, written as JSON)"),
+    "export-hf": ("export_hf", "the run's model as a self-contained Hugging Face model (remote code)"),
     "consolidate": ("consolidate", "one single-file checkpoint (RUN_DIR/consolidated.pt) from a sharded run"),
 }
 
