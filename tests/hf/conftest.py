@@ -29,7 +29,7 @@ def native_of():
 
 
 @pytest.fixture(scope="session")
-def exported_run(tmp_path_factory, micro_config):
+def exported_run(tmp_path_factory, micro_data, request):
     """A micro NAG + MoE + MoD(20%) run trained 12 steps on the shared data, and its fp32 export (through the
     CLI, checked without nagmoe): (run_dir, export_dir)."""
     from nagmoe.cli import main
@@ -37,8 +37,14 @@ def exported_run(tmp_path_factory, micro_config):
 
     root = tmp_path_factory.mktemp("hf_run")
     run_dir, out = str(root / "run"), str(root / "export")
-    cfg = micro_config("model.mod.skip_rate=0.2", "model.mod.start_tokens=0", "model.nag.warmup_tokens=0",
-                       "train.max_steps=12", "train.schedule_steps=12")
+    from nagmoe.config import load_config
+
+    root_conftest = request.config.pluginmanager.get_plugin(os.path.join(variants.REPO, "tests", "conftest.py"))
+    data_dir, corpus = micro_data
+    cfg = load_config(os.path.join(variants.REPO, "configs", "tiny.yaml"), [
+                       *root_conftest.MICRO_OVERRIDES, f"data.corpus={corpus}", f"data.data_dir={data_dir}",
+                       "model.mod.skip_rate=0.2", "model.mod.start_tokens=0", "model.nag.warmup_tokens=0",
+                       "train.max_steps=12", "train.schedule_steps=12"])
     Trainer(cfg, run_dir, quiet=True).run()
     assert main(["export-hf", "--run-dir", run_dir, "--out", out]) == 0
     return run_dir, out
