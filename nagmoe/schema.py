@@ -163,6 +163,7 @@ class TrainConfig:
     # without the key reads legacy (LEGACY_VALUES), the numerics of the runs before it
     precision: str = "uniform"
     activation_checkpointing: bool = False  # recompute each sublayer in the backward (deep configs)
+    export_hf_at_end: bool = False  # rank 0 exports RUN_DIR/hf after the final checkpoint (needs the hf extra)
     nonfinite: str = "halt"  # a NaN/Inf loss or grad norm: halt (exit 3) | skip (drop the update, count it)
     gate_collapse_every: int = 100  # gate-collapse check every N steps after the injection warm-up (0 = off)
     gate_collapse_fraction: float = 0.25  # alarm when more than this fraction of NAG gates has gain < 0.05
@@ -244,11 +245,13 @@ LEGACY_VALUES = {
     "train.flop_convention": "matmul",
     "train.compile": "false",
     "train.precision": "legacy",
+    "train.export_hf_at_end": False,
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract.
 RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every",
                   "train.keep_checkpoints", "log.wandb", "train.checkpoint_every_minutes",
-                  "train.keep_milestone_every_tokens")  # logging and checkpoint timing/keeping: switchable mid-run
+                  "train.keep_milestone_every_tokens",
+                  "train.export_hf_at_end")  # logging, checkpoint timing/keeping, the export: switchable mid-run
 # Keys of the parallel layout that may change too (issue 25): the torch engine reshards a checkpoint on load
 # (nagmoe.checkpoint.torch_layout), so a run resumes on another world size, EP degree or micro-batch; the
 # global batch (train.batch_tokens) may not change. train.compile (issue 26) changes how the step runs, not

@@ -43,6 +43,7 @@ from nagmoe.model.router_health import RouterTelemetry
 from nagmoe.train.mod_accounting import ModAccount
 from nagmoe.job_environment import describe_environment
 from nagmoe.settings import check_start_settings
+from nagmoe.train.export_at_end import check_available as check_export_available, export_at_end
 from nagmoe.train.wandb_id import ensure_wandb_id
 from nagmoe.train.metrics import MetricsWriter, check_metrics_steps, truncate_metrics
 from nagmoe.train.optim import build_optimizers
@@ -112,6 +113,7 @@ class Trainer:
         process group's layout when there is one and `world_size` is left at 1, else `rank`/`world_size`.
         The three permissions are `nagmoe train`'s flags of the same names (nagmoe/run_permissions.py)."""
         check_start_settings()  # every NAGMOE_* setting and job variable: one line now, not hours in
+        check_export_available(cfg)  # train.export_hf_at_end needs the hf extra: say so before training
         self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
         t, m = cfg.train, cfg.model
         self.device = resolve_device(t.device)
@@ -632,4 +634,6 @@ class Trainer:
             self.wandb.summary.update({k: v for k, v in summary.items() if v is not None})
             self.wandb.finish()
         self._log(f"done: step {self.progress.step}, val_bpb {val_bpb:.4f}, tokens {self.progress.tokens:,}")
+        if t.export_hf_at_end and self.rank == 0:  # after the final checkpoint; a failure only warns
+            export_at_end(self.run_dir, self.quiet)
         return summary

@@ -163,3 +163,57 @@ class _no_raise:
 
     def __exit__(self, *exc):
         return False
+
+
+def _resume(run_dir, *overrides):
+    from nagmoe.config import config_from_dict, load_config  # noqa: F401
+    from nagmoe.checkpoint.run_dir import read_saved_config
+    from nagmoe.schema import to_dict
+    from nagmoe.train.trainer import Trainer
+
+    data = to_dict(read_saved_config(run_dir))
+    for item in overrides:
+        key, value = item.split("=")
+        section, name = key.split(".")
+        data[section][name] = {"true": True}.get(value, int(value) if value.isdigit() else value)
+    return Trainer(config_from_dict(data), run_dir, quiet=True).run()
+
+
+def test_export_hf_at_end_writes_run_dir_hf_after_the_final_checkpoint(exported_run, tmp_path):
+    run_dir, _ = exported_run
+    copy = str(tmp_path / "run")
+    shutil.copytree(run_dir, copy)
+    _resume(copy, "train.max_steps=13", "train.export_hf_at_end=true")
+    prov = json.load(open(os.path.join(copy, "hf", "provenance.json")))
+    assert prov["step"] == 13 and os.path.isfile(os.path.join(copy, "hf", "model.safetensors"))
+    _resume(copy, "train.max_steps=14", "train.export_hf_at_end=true")  # a later end replaces it
+    assert json.load(open(os.path.join(copy, "hf", "provenance.json")))["step"] == 14
+    assert not [n for n in os.listdir(copy) if n.startswith(".hf")]
+
+
+def test_a_failed_export_at_the_end_only_warns(exported_run, tmp_path, monkeypatch, capsys):
+    import nagmoe.hf_export as hf_export
+
+    run_dir, _ = exported_run
+    copy = str(tmp_path / "run")
+    shutil.copytree(run_dir, copy)
+    monkeypatch.setattr(hf_export, "HF_DIR", str(tmp_path / "missing"))
+    summary = _resume(copy, "train.max_steps=13", "train.export_hf_at_end=true")
+    assert summary["steps"] == 13
+    err = capsys.readouterr().err
+    assert "warning: train.export_hf_at_end" in err and not os.path.exists(os.path.join(copy, "hf"))
+    assert not [n for n in os.listdir(copy) if n.startswith(".hf")]
+
+
+def test_export_hf_at_end_without_transformers_is_refused_before_training(exported_run, tmp_path, monkeypatch):
+    import sys
+
+    from nagmoe.errors import UserError
+
+    run_dir, _ = exported_run
+    copy = str(tmp_path / "run")
+    shutil.copytree(run_dir, copy)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if the hf extra were not installed
+    with pytest.raises(UserError, match="needs the `hf` extra"):
+        _resume(copy, "train.max_steps=13", "train.export_hf_at_end=true")
+    assert json.load(open(os.path.join(copy, "summary.json")))["steps"] == 12  # nothing trained
