@@ -1,0 +1,50 @@
+"""A 2-rank expert-parallel run (EP=2, gloo) exports the same model as its consolidated checkpoint (issue 42,
+"Round trip"): the export goes through nagmoe's one reader, which gathers the expert shards."""
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nagmoe.hf_export import PREFIX
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parallel"))
+from gloo_ranks import run_on_ranks  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+
+def _train(config_path, run_dir):
+    from nagmoe.config import load_config
+    from nagmoe.train.trainer import Trainer
+
+    Trainer(load_config(config_path), run_dir, quiet=True).run()
+    return True
+
+
+def test_an_ep2_run_exports_its_consolidated_model(micro_data, request, tmp_path):
+    from nagmoe.checkpoint.consolidate import consolidate_run, load_consolidated
+    from nagmoe.cli import main
+    from nagmoe.config import load_config
+    from nagmoe.schema import dump_yaml
+
+    root_conftest = request.config.pluginmanager.get_plugin(os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conftest.py"))
+    data_dir, corpus = micro_data
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = load_config(os.path.join(repo, "configs", "tiny.yaml"), [
+        *root_conftest.MICRO_OVERRIDES, f"data.corpus={corpus}", f"data.data_dir={data_dir}", "parallel.ep=2",
+        "train.max_steps=3", "train.schedule_steps=3", "model.mod.skip_rate=0.2", "model.nag.warmup_tokens=0"])
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(dump_yaml(cfg))
+    run_dir = str(tmp_path / "run")
+    assert run_on_ranks(_train, 2, str(config_path), run_dir) == [True, True]
+    out = str(tmp_path / "export")
+    assert main(["export-hf", "--run-dir", run_dir, "--out", out]) == 0
+    _, consolidated = load_consolidated(consolidate_run(run_dir))
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    assert set(exported) == {PREFIX + k for k in consolidated}
+    for key, t in consolidated.items():
+        assert torch.equal(exported[PREFIX + key], t) and exported[PREFIX + key].dtype == t.dtype, key
+    assert exported[PREFIX + "blocks.0.ffn.w_in"].shape[0] == cfg.model.moe.n_experts  # every expert, gathered
