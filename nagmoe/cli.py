@@ -26,6 +26,7 @@ COMMANDS = {
     "preflight": ("preflight", "one rank's part of a preflight job (nagmoe launch slurm --preflight)"),
     "bench": ("bench", "benchmarks (ratios, written as JSON)"),
     "export-hf": ("export_hf", "the run's model as a self-contained Hugging Face model (remote code)"),
+    "import-hf": ("import_hf", "a nagmoe Hugging Face export back into a run dir (eval, generate)"),
     "consolidate": ("consolidate", "one single-file checkpoint (RUN_DIR/consolidated.pt) from a sharded run"),
 }
 
