@@ -455,7 +455,7 @@ def write_report(run_dirs: list, out_dir: str, title: Optional[str] = None, desc
                  eval_items: int = 200, analysis_tokens: int = 16384, device: str = "auto",
                  log: Callable[[str], None] = print) -> dict:
     """Write OUT/report.html (+ figures/, report.json, data/); returns the report's numbers (report.json)."""
-    from nagmoe.commands.eval import resolve_device
+    from nagmoe.eval.task_specs import resolve_device
     from nagmoe.data.bpb import unigram_bpb
 
     fig_dir = os.path.join(out_dir, FIGURE_DIR)

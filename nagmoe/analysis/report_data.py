@@ -227,7 +227,7 @@ def measure_checkpoint(record: RunRecord, out_dir: str, analysis_tokens: int, ev
 
 def run_eval(run_dir: str, device: str, items: int) -> dict:
     """The offline Shakespeare next-line task (nagmoe eval's default) on the run's latest checkpoint."""
-    from nagmoe.commands.eval import OFFLINE_TASK, resolve_tasks
+    from nagmoe.eval.task_specs import OFFLINE_TASK, resolve_tasks
     from nagmoe.eval.core import evaluate_tasks, tokenizer_encoder
     from nagmoe.eval.generate import load_run
 

@@ -12,50 +12,27 @@ import json
 import os
 
 from nagmoe.errors import UserError
-
-OFFLINE_TASK = "shakespeare"
+from nagmoe.eval.core import DECISIONS
+from nagmoe.eval.task_specs import OFFLINE_TASK, resolve_device, resolve_tasks  # noqa: F401  (their old home)
 
 
 def add_arguments(p):
     p.add_argument("--run-dir", required=True, help="a training run dir (config.yaml + checkpoints/)")
-    p.add_argument("--tasks", nargs="+", default=[OFFLINE_TASK], metavar="SPEC",
-                   help="'shakespeare' (offline next-line task), a task .jsonl, or a CORE bundle directory")
+    p.add_argument("--tasks", nargs="+", default=None, metavar="SPEC",
+                   help="'shakespeare' (offline next-line task; the default), a task .jsonl, or a CORE bundle directory")
+    p.add_argument("--decision", default="mean", choices=DECISIONS,
+                   help="an option's score: mean token loss (CORE, default) or summed loss (lm-eval's acc)")
+    p.add_argument("--lm-eval", nargs="+", default=None, metavar="TASK",
+                   help="run these lm-evaluation-harness tasks on the run (model `nagmoe`) instead of --tasks")
+    p.add_argument("--include-path", default=None, metavar="DIR", help="lm-eval: a directory of task YAMLs")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N", help="lm-eval: requests per forward")
+    p.add_argument("--write-lm-eval-tasks", default=None, metavar="DIR",
+                   help="write the --tasks as lm-eval tasks (YAML + JSONL) into DIR and stop")
     p.add_argument("--max-per-task", type=int, default=None, metavar="N", help="evaluate at most N examples per task")
     p.add_argument("--offline-items", type=int, default=200, metavar="N", help="items of the shakespeare task")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the shakespeare task")
     p.add_argument("--out", default=None, metavar="FILE.json", help="also write the results as JSON")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-
-
-def resolve_tasks(specs: list[str], val_fraction: float, offline_items: int = 200, seed: int = 0) -> list:
-    """Tasks from the command's SPECs (see the module docstring); UserError naming a bad spec or file line."""
-    from nagmoe.eval.offline_task import shakespeare_next_line_task
-    from nagmoe.eval.tasks import find_core_bundle, read_core_bundle, read_jsonl_task
-
-    tasks = []
-    for spec in specs:
-        if spec == OFFLINE_TASK:
-            tasks.append(shakespeare_next_line_task(val_fraction, n_items=offline_items, seed=seed))
-        elif os.path.isdir(spec):
-            bundle = find_core_bundle(spec)
-            if bundle is None:
-                raise UserError(f"--tasks: {spec} is a directory without core.yaml (or eval_bundle/core.yaml)")
-            tasks.extend(read_core_bundle(bundle))
-        elif spec.endswith(".jsonl") or os.path.isfile(spec):
-            tasks.append(read_jsonl_task(spec))
-        else:
-            raise UserError(f"--tasks: {spec!r} is not '{OFFLINE_TASK}', a .jsonl task file or a CORE bundle directory")
-    return tasks
-
-
-def resolve_device(requested: str) -> str:
-    import torch
-
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device: cuda was asked for but no CUDA device is visible")
-    return requested
 
 
 def run(args) -> int:
@@ -66,12 +43,24 @@ def run(args) -> int:
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):  # before the evaluation, not after
         raise UserError(f"--out: directory {os.path.dirname(os.path.abspath(args.out))[:200]} does not exist")
 
+    if args.lm_eval is not None:
+        if args.tasks is not None or args.write_lm_eval_tasks:
+            raise UserError("--lm-eval: give either --lm-eval TASK... or --tasks SPEC..., not both")
+        return run_lm_eval(args)
+    if args.include_path is not None:
+        raise UserError("--include-path: only with --lm-eval")
     from nagmoe.eval.core import evaluate_tasks, tokenizer_encoder
     from nagmoe.eval.generate import load_run
 
     device = resolve_device(args.device)
     run_ = load_run(args.run_dir, device)
-    tasks = resolve_tasks(args.tasks, run_.config.data.val_fraction, args.offline_items, args.seed)
+    tasks = resolve_tasks(args.tasks or [OFFLINE_TASK], run_.config.data.val_fraction, args.offline_items, args.seed)
+    if args.write_lm_eval_tasks:
+        from nagmoe.eval.lm_eval_tasks import write_tasks
+
+        names = write_tasks(tasks, args.write_lm_eval_tasks)
+        print(f"[nagmoe] wrote lm-eval tasks {', '.join(names)} to {args.write_lm_eval_tasks} (use --include_path)")
+        return 0
     print(f"{'task':<36} {'type':<18} {'shots':>5} {'examples':>8} {'accuracy':>9} {'centred':>8}", flush=True)
 
     def show(r):
@@ -79,7 +68,8 @@ def run(args) -> int:
               f"{r.centred:>8.4f}", flush=True)
 
     results = evaluate_tasks(run_.model, tasks, tokenizer_encoder(run_.tokenizer), run_.bos_id, device,
-                             max_examples=args.max_per_task, max_len=run_.config.model.max_seq_len, on_result=show)
+                             max_examples=args.max_per_task, max_len=run_.config.model.max_seq_len, on_result=show,
+                             decision=args.decision)
     n = len(results["tasks"])
     print(f"CORE-style score (mean centred accuracy over {n} task{'s' if n != 1 else ''}): "
           f"{results['core_metric']:.4f}")
@@ -89,4 +79,38 @@ def run(args) -> int:
 
         with atomic_writer(args.out) as f:  # nagmoe.safe_files: never half-written, never through a planted link
             json.dump(out, f, indent=2)
+    return 0
+
+
+def run_lm_eval(args) -> int:
+    """lm-evaluation-harness over the run (the registered model `nagmoe`, nagmoe/eval/lm_eval_model.py)."""
+    from nagmoe.hf_export import require_transformers
+
+    require_transformers("--lm-eval")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size: {args.batch_size} must be >= 1")
+    if args.include_path is not None and not os.path.isdir(args.include_path):
+        raise UserError(f"--include-path: {args.include_path[:200]} is not a directory")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from nagmoe.eval.lm_eval_model import NagmoeLM
+
+    model = NagmoeLM(run_dir=args.run_dir, batch_size=args.batch_size, device=resolve_device(args.device))
+    manager = TaskManager(include_path=args.include_path)
+    unknown = [t for t in args.lm_eval if t not in manager.all_tasks]
+    if unknown:
+        raise UserError(f"--lm-eval: unknown task {unknown[0][:100]!r} (add its YAML directory with --include-path)")
+    results = lm_eval.simple_evaluate(model=model, tasks=list(args.lm_eval), limit=args.max_per_task,
+                                      task_manager=manager, log_samples=False, bootstrap_iters=0)
+    for name, metrics in results["results"].items():
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+        print(f"{name}: {shown}")
+    if args.out:
+        from nagmoe.safe_files import atomic_writer
+
+        with atomic_writer(args.out) as f:
+            json.dump({"run_dir": os.path.abspath(args.run_dir), "checkpoint": model.run.checkpoint,
+                       "results": results["results"], "configs": results.get("configs", {})}, f, indent=2,
+                      default=str)
     return 0

@@ -134,9 +134,13 @@ def _rows_per_forward(vocab_size: int, longest: int) -> int:
     return max(1, LOGIT_BUDGET // max(1, vocab_size * longest))
 
 
+DECISIONS = ("mean", "sum")  # an option's score: its mean token loss (nanochat's CORE) or its summed loss (lm-eval's acc)
+
+
 def score_examples(model, task: Task, encode: Callable[[str], list], bos_id: int, device,
-                   max_len: Optional[int] = None, batch_rows: int = 32) -> list[bool]:
-    """Whether each example of `task` is answered correctly (examples batched into forwards of ~batch_rows)."""
+                   max_len: Optional[int] = None, batch_rows: int = 32, decision: str = "mean") -> list[bool]:
+    """Whether each example of `task` is answered correctly (examples batched into forwards of ~batch_rows);
+    `decision` (DECISIONS) is how options are compared."""
     vocab = model.config.vocab_size
     correct: list[bool] = []
     pending: list[tuple[int, list[ScoredRow]]] = []
@@ -155,7 +159,7 @@ def score_examples(model, task: Task, encode: Callable[[str], list], bos_id: int
             if task.task_type == LANGUAGE_MODELING:
                 correct.append(scores[0][1])
             else:
-                losses = [s[0] for s in scores]
+                losses = [s[0] * ((r.end - r.start) if decision == "sum" else 1) for s, r in zip(scores, example)]
                 correct.append(losses.index(min(losses)) == task.examples[index]["gold"])
         pending.clear()
 
@@ -181,13 +185,13 @@ def subset(task: Task, max_examples: Optional[int]) -> Task:
 
 def evaluate_task(model, task: Task, encode: Callable[[str], list], bos_id: int, device="cpu",
                   max_examples: Optional[int] = None, max_len: Optional[int] = None,
-                  shuffle: bool = True) -> TaskResult:
+                  shuffle: bool = True, decision: str = "mean") -> TaskResult:
     """Accuracy and centred accuracy of one task."""
     task = subset(task, max_examples) if shuffle else task
     was_training = model.training
     model.eval()
     try:
-        correct = score_examples(model, task, encode, bos_id, device, max_len)
+        correct = score_examples(model, task, encode, bos_id, device, max_len, decision=decision)
     finally:
         model.train(was_training)
     accuracy = sum(correct) / len(correct)
@@ -197,12 +201,12 @@ def evaluate_task(model, task: Task, encode: Callable[[str], list], bos_id: int,
 
 def evaluate_tasks(model, tasks: list[Task], encode: Callable[[str], list], bos_id: int, device="cpu",
                    max_examples: Optional[int] = None, max_len: Optional[int] = None,
-                   on_result: Optional[Callable[[TaskResult], None]] = None) -> dict:
+                   on_result: Optional[Callable[[TaskResult], None]] = None, decision: str = "mean") -> dict:
     """{"tasks": [TaskResult dicts], "core_metric": mean centred accuracy}; `on_result` sees each task's result
     as soon as it is known (the command prints it)."""
     results = []
     for task in tasks:
-        result = evaluate_task(model, task, encode, bos_id, device, max_examples, max_len)
+        result = evaluate_task(model, task, encode, bos_id, device, max_examples, max_len, decision=decision)
         if on_result is not None:
             on_result(result)
         results.append(result)

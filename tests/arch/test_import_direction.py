@@ -22,6 +22,8 @@ def _importers(prefixes: tuple[str, ...], forbidden: str) -> list[str]:
     (("nagmoe.model",), "nagmoe.parallel"),
     (("nagmoe.model",), "nagmoe.checkpoint"),
     (("nagmoe.schema", "nagmoe.flops", "nagmoe.nag_math", "nagmoe.errors", "nagmoe.safe_files"), "nagmoe.config"),
+    (("nagmoe.analysis",), "nagmoe.commands"),
+    (("nagmoe.eval",), "nagmoe.commands"),
 ])
 def test_layer_does_not_import_upwards(layer, forbidden):
     assert _importers(layer, forbidden) == []
@@ -30,6 +32,15 @@ def test_layer_does_not_import_upwards(layer, forbidden):
 def test_the_one_writer_sits_in_layer_1():
     """nagmoe/safe_files.py (issue 40) is used from every layer: it imports nothing of nagmoe but errors.py."""
     assert {t for t in GRAPH["nagmoe.safe_files"] if t.startswith("nagmoe")} == {"nagmoe.errors"}
+
+
+def test_the_hf_model_files_import_nothing_of_nagmoe():
+    """nagmoe/hf/ ships as remote code (issue 42): its files import each other, never the rest of nagmoe."""
+    hf = {m: t for m, t in GRAPH.items() if m.startswith("nagmoe.hf.")}
+    assert hf, "the graph sees nagmoe/hf/"
+    assert sorted(f"{m} -> {t}" for m, targets in hf.items() for t in targets
+                  if t.startswith("nagmoe") and not t.startswith("nagmoe.hf.")) == []
+    assert "nagmoe.hf.layers_nagmoe" in GRAPH["nagmoe.hf.modeling_nagmoe"]  # relative imports are seen
 
 
 def test_no_import_circle():
