@@ -231,10 +231,11 @@ def route(logits_NE: torch.Tensor, top_k: int, bias_E: Optional[torch.Tensor] = 
 
 
 class Router(nn.Linear):
-    """Linear(d, E, bias=False) read in fp32."""
+    """Linear(d, E, bias=False) read in fp32, autocast off (as nagmoe routes under bf16 autocast)."""
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_ND.float(), self.weight.float())
+        with torch.autocast(device_type=x_ND.device.type, enabled=False):
+            return F.linear(x_ND.float(), self.weight.float())
 
 
 class MoELayer(nn.Module):
