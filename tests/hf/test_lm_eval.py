@@ -142,3 +142,13 @@ def test_the_lm_eval_command_line_runs_on_the_export(setup, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
     assert found and "nagmoe_shakespeare_next_line" in json.load(open(found[0]))["results"]
+
+
+def test_generate_until_agrees_between_the_export_and_the_run(setup):
+    """lm-eval's generate_until: `hf` left-pads the batch (the export's attention mask), ours runs each request with
+    nagmoe's cache; greedy texts cut at the stop strings are equal."""
+    prompts = ["ROMEO:\nWhat", "JULIET:\nO Romeo", "First Citizen:\n"]
+    reqs = [SimpleNamespace(args=(p, {"until": ["###"], "max_gen_toks": 16, "do_sample": False})) for p in prompts]
+    hf = setup.hf(batch_size=3).generate_until(reqs)
+    ours = setup.native().generate_until(reqs)
+    assert hf == ours and any(len(t) > 5 for t in ours)
