@@ -217,3 +217,13 @@ def test_export_hf_at_end_without_transformers_is_refused_before_training(export
     with pytest.raises(UserError, match="needs the `hf` extra"):
         _resume(copy, "train.max_steps=13", "train.export_hf_at_end=true")
     assert json.load(open(os.path.join(copy, "summary.json")))["steps"] == 12  # nothing trained
+
+
+def test_an_explicit_checkpoint_is_exported_and_named(exported_run, tmp_path):
+    run_dir, _ = exported_run
+    ckpt = os.path.join(run_dir, "checkpoints", "step_000012")
+    out = str(tmp_path / "explicit")
+    assert main(["export-hf", "--run-dir", run_dir, "--out", out, "--checkpoint", ckpt, "--no-validate"]) == 0
+    assert json.load(open(os.path.join(out, "provenance.json")))["checkpoint"] == os.path.abspath(ckpt)
+    assert main(["export-hf", "--run-dir", run_dir, "--out", str(tmp_path / "none"), "--checkpoint",
+                 str(tmp_path / "missing")]) == 2
