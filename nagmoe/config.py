@@ -191,6 +191,11 @@ def validate_config(cfg: Config) -> None:
     if m.mod.skip_rate > 0 and m.residual != "nag":
         raise ConfigError("model.mod.skip_rate: MoD needs model.residual=nag (the rotation score routes)")
     _check_mod_thresholds(m.mod)
+    if not (math.isfinite(m.moe.bias_update_rate) and m.moe.bias_update_rate >= 0):
+        raise ConfigError(f"model.moe.bias_update_rate: {m.moe.bias_update_rate} must be finite and >= 0")
+    if m.moe.expert_bias and m.ffn != "moe":
+        raise ConfigError("model.moe.expert_bias: the expert bias balances MoE routing; model.ffn is "
+                          f"{shown(m.ffn)} (set model.ffn=moe or model.moe.expert_bias=false)")
     if m.moe.capacity_factor is not None and not m.moe.capacity_factor > 0:
         raise ConfigError(f"model.moe.capacity_factor: {m.moe.capacity_factor} must be > 0 (or null: dropless)")
     if m.nag.beta_init <= 0:

@@ -56,7 +56,7 @@ def layout_of(model) -> dict:
            "use_convs": bool(getattr(attn, "use_convs", False)), "use_qk_mean": bool(getattr(attn, "use_qk_mean", False)),
            "use_value_shift": bool(getattr(attn, "use_value_shift", False)),
            "conv_kernel_1": a.conv_kernel_1, "conv_kernel_2": a.conv_kernel_2,
-           "ffn_hidden": ffn.hidden}
+           "ffn_hidden": ffn.hidden, "expert_bias": getattr(ffn, "expert_bias", None) is not None}
     mod = model.mod_calibrator()
     if mod is not None:
         out["mod_bins"], out["mod_eligible"] = mod.bins, list(mod.eligible_list)
@@ -191,8 +191,11 @@ def native_outputs(model, ids_BT: torch.Tensor) -> dict:
     for i, block in enumerate(model.blocks):
         ffn = block.ffn
         if hasattr(ffn, "router"):
-            def grab(module, args, logits, key=f"choices.{2 * i + 1}", k=ffn.top_k):
-                out[key] = logits.softmax(-1).topk(k, dim=-1).indices
+            def grab(module, args, logits, key=f"choices.{2 * i + 1}", layer=ffn):
+                key_NE = logits.softmax(-1)  # the selection key: probabilities (+ the expert bias when on)
+                if getattr(layer, "expert_bias", None) is not None:
+                    key_NE = key_NE + layer.expert_bias
+                out[key] = key_NE.topk(layer.top_k, dim=-1).indices
             hooks.append(ffn.router.register_forward_hook(grab))
     mod = model.mod_calibrator()
     original = None

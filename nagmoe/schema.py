@@ -69,6 +69,12 @@ class MoEConfig:
     # of a micro-batch of N tokens on this rank (the first in token order); the overflow gets no expert output
     # (under NAG no update, under MoD the base update only). Evaluation and generation stay dropless.
     capacity_factor: Optional[float] = None
+    # Auxiliary-loss-free balancing (DeepSeek-V3): an (E,) bias added to the router probabilities for the top-k
+    # selection only (gates stay the unbiased probabilities), b <- b + rate·sign(mean(c) - c) once per optimizer
+    # step from the global batch's per-expert counts c, re-centred to mean 0. Structural: the buffer exists only
+    # when on. rate 0 freezes b (and may change on resume).
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
 
 
 @dataclass
@@ -246,12 +252,14 @@ LEGACY_VALUES = {
     "train.compile": "false",
     "train.precision": "legacy",
     "train.export_hf_at_end": False,
+    "model.moe.expert_bias": False,
+    "model.moe.bias_update_rate": 1e-3,
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract.
 RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every",
                   "train.keep_checkpoints", "log.wandb", "train.checkpoint_every_minutes",
                   "train.keep_milestone_every_tokens",
-                  "train.export_hf_at_end")  # logging, checkpoint timing/keeping, the export: switchable mid-run
+                  "train.export_hf_at_end", "model.moe.bias_update_rate")  # logging, checkpoint timing/keeping, the export: switchable mid-run
 # Keys of the parallel layout that may change too (issue 25): the torch engine reshards a checkpoint on load
 # (nagmoe.checkpoint.torch_layout), so a run resumes on another world size, EP degree or micro-batch; the
 # global batch (train.batch_tokens) may not change. train.compile (issue 26) changes how the step runs, not

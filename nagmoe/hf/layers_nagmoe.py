@@ -242,18 +242,22 @@ class MoELayer(nn.Module):
     """Dropless top-k MoE with ReLU² experts; y = Σ_k gate_k · expert_k(x). `last_choices` (N, k): the experts
     of the last call (read by the export's validation)."""
 
-    def __init__(self, d_model: int, n_experts: int, top_k: int, hidden: int):
+    def __init__(self, d_model: int, n_experts: int, top_k: int, hidden: int, expert_bias: bool = False):
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.router = Router(d_model, n_experts, bias=False)
         self.w_in = nn.Parameter(torch.zeros(n_experts, d_model, hidden))
         self.w_out = nn.Parameter(torch.zeros(n_experts, hidden, d_model))
+        if expert_bias:  # the run's loss-free balancing bias: on the selection key only
+            self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
         self.last_choices: Optional[torch.Tensor] = None
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        gate_Nk, expert_Nk = route(self.router(x_ND), self.top_k)
+        gate_Nk, expert_Nk = route(self.router(x_ND), self.top_k, self.expert_bias)
         self.last_choices = expert_Nk
         y_NkD = x_ND.new_zeros(B * T, self.top_k, D)
         for e in range(self.n_experts):

@@ -172,7 +172,8 @@ class Block(nn.Module):
         self.attn = attention(layout, model["d_model"])
         if model["ffn"] == "moe":
             moe = model["moe"]
-            self.ffn = MoELayer(model["d_model"], moe["n_experts"], moe["top_k"], layout["ffn_hidden"])
+            self.ffn = MoELayer(model["d_model"], moe["n_experts"], moe["top_k"], layout["ffn_hidden"],
+                                expert_bias=bool(layout.get("expert_bias", False)))
         else:
             self.ffn = DenseMLP(model["d_model"], layout["ffn_hidden"])
 

@@ -12,6 +12,8 @@ Pipeline of one forward call:
               S = Σ_k gate_k cancels (exactly for top-1): with `gate_scale_output` the layer also returns
               gate_scale_N = S / stopgrad(S) (= 1 in the forward), which the NAG stream multiplies into the
               step gain, so ∂L/∂log S = g·∂L/∂g (docs/decisions.md, "router gradient under NAG").
+              With `model.moe.expert_bias` the top-k is taken of probs_NE + b (no gradient) and the gates are
+              probs_NE at the chosen experts: logits, probabilities and both auxiliary losses are unchanged.
   2. dispatch slots sorted by expert (stable argsort), each slot a copy of its token: x_SD. Dropless unless
               `model.moe.capacity_factor` f is set and the layer is training: then expert e keeps the first
               C = ceil(f·N·K/E) of its slots in token order (a later token never displaces an earlier one)
@@ -123,6 +125,13 @@ class MoELayer(nn.Module):
         self.first_expert = 0  # global index of w_in[0] / w_out[0] (keep_experts)
         self.gate_scale_output = gate_scale_output
         self.capacity_factor = getattr(cfg, "capacity_factor", None)
+        # loss-free balancing (model.moe.expert_bias): the (E,) selection bias, a buffer only when on (a run dir
+        # saved without it must load unchanged); updated by `update_expert_bias` once per optimizer step
+        self.bias_update_rate = float(getattr(cfg, "bias_update_rate", 0.0))
+        if getattr(cfg, "expert_bias", False):
+            self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
         self.last_stats: dict[str, torch.Tensor] = {}
         self.ran: dict[str, str] = {}  # the expert path the last call took (nagmoe.train.backends_ran)
         # Token movement hook, set from outside (nagmoe.parallel): `dispatcher(layer, x_SD, counts_E) -> y_SD`
@@ -133,6 +142,23 @@ class MoELayer(nn.Module):
 
     def reset_parameters(self) -> None:
         self.init_weights(ParamInit())
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """A fresh layer's expert bias: exactly 0 (after meta-device construction too; nagmoe/model/init_rng.py)."""
+        if self.expert_bias is not None and not self.expert_bias.is_meta:
+            self.expert_bias.zero_()
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts_E: torch.Tensor) -> None:
+        """b <- b + rate·sign(mean(c) - c), then b - mean(b) (top-k ignores a constant): in place, so the buffer a
+        checkpoint saves is the one the forward reads. `counts_E`: the optimizer step's routing slots per expert
+        over the global batch (pre-drop choices). No-op without the bias or at rate 0 (b frozen, still applied)."""
+        if self.expert_bias is None or self.bias_update_rate == 0.0:
+            return
+        c_E = counts_E.to(device=self.expert_bias.device, dtype=torch.float32)
+        self.expert_bias.add_(self.bias_update_rate * torch.sign(c_E.mean() - c_E))
+        self.expert_bias.sub_(self.expert_bias.mean())
 
     def init_weights(self, init: ParamInit) -> None:
         """Router and w_in uniform with std init_std (bound sqrt(3)·std), like a linear layer reading a unit-RMS
@@ -183,7 +209,14 @@ class MoELayer(nn.Module):
         # 1. route (fp32)
         logits_NE = self.router(x_ND)
         probs_NE = logits_NE.softmax(dim=-1)
-        gate_NK, expert_NK = probs_NE.topk(K, dim=-1)  # not renormalised over the k (module docstring)
+        rerouted = None
+        if self.expert_bias is None:
+            gate_NK, expert_NK = probs_NE.topk(K, dim=-1)  # not renormalised over the k (module docstring)
+        else:  # the bias moves the selection only; the gates are the unbiased probabilities of the chosen experts
+            expert_NK = (probs_NE.detach() + self.expert_bias).topk(K, dim=-1).indices
+            gate_NK = probs_NE.gather(1, expert_NK)
+            unbiased_NK = probs_NE.detach().topk(K, dim=-1).indices
+            rerouted = K * N - (expert_NK.unsqueeze(-1) == unbiased_NK.unsqueeze(1)).any(-1).sum()
         expert_S = expert_NK.reshape(-1)  # slot s = n·K + k
         # routing slots per expert, on the device (bincount would read its output size on the host)
         counts_E = expert_S.new_zeros(E).index_add_(0, expert_S, torch.ones_like(expert_S))
@@ -228,7 +261,8 @@ class MoELayer(nn.Module):
                            "router_entropy_sum": torch.special.entr(probs_NE.detach()).sum(),
                            # a fill on the device, not a copy of a host int (a sync per layer on CUDA)
                            "router_tokens": torch.full((), N, dtype=torch.int64, device=probs_NE.device),
-                           "dropped_slots": dropped}
+                           "dropped_slots": dropped,
+                           **({"rerouted_slots": rerouted} if rerouted is not None else {})}
         if not self.gate_scale_output:
             return y_ND.view(B, T, D), aux_loss
         if keep_S is None:

@@ -15,6 +15,9 @@ one tensor to all-reduce over ranks; `report(ep)` reads them once and returns, p
   ep_max_over_mean   max over EP ranks of the slots their local experts received / the mean (R > 1 only)
   load               the slots per expert as fractions of the layer's slots (L x E: the report's heatmap)
   dropped_frac       routing slots dropped by model.moe.capacity_factor / all slots (0 when dropless)
+With the loss-free expert bias (model.moe.expert_bias) also:
+  rerouted_frac      the share of chosen (token, expert) slots that are not in the unbiased top-k (0 when b = 0)
+  bias_range, bias_std   of each layer's bias b at the report (b is replicated: every rank's is the same)
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class RouterTelemetry:
         self.entropy_L: Optional[torch.Tensor] = None  # summed router entropy, nats
         self.tokens_L: Optional[torch.Tensor] = None   # routed tokens
         self.dropped_L: Optional[torch.Tensor] = None  # slots over an expert's capacity (training only)
+        self.rerouted_L: Optional[torch.Tensor] = None  # slots the expert bias moved off the unbiased top-k
 
     @property
     def empty(self) -> bool:
@@ -47,39 +51,49 @@ class RouterTelemetry:
         counts = torch.stack([layer.last_stats["tokens_per_expert"].to(torch.float64) for layer in layers])
         entropy = torch.stack([layer.last_stats["router_entropy_sum"].to(torch.float64) for layer in layers])
         tokens = torch.stack([layer.last_stats["router_tokens"].to(torch.float64) for layer in layers])
-        dropped = torch.stack([layer.last_stats.get("dropped_slots", torch.zeros((), device=counts.device))
-                               .to(device=counts.device, dtype=torch.float64) for layer in layers])
-        self.add_tensors(counts, entropy, tokens, dropped)
+        zero = torch.zeros((), device=counts.device)
+        dropped = torch.stack([layer.last_stats.get("dropped_slots", zero).to(device=counts.device, dtype=torch.float64)
+                               for layer in layers])
+        rerouted = torch.stack([layer.last_stats.get("rerouted_slots", zero).to(device=counts.device,
+                                                                                dtype=torch.float64)
+                                for layer in layers])
+        self.add_tensors(counts, entropy, tokens, dropped, rerouted)
 
-    def add_tensors(self, counts_LE, entropy_L, tokens_L, dropped_L=None) -> None:
+    def add_tensors(self, counts_LE, entropy_L, tokens_L, dropped_L=None, rerouted_L=None) -> None:
         dropped_L = torch.zeros_like(entropy_L) if dropped_L is None else dropped_L
+        rerouted_L = torch.zeros_like(entropy_L) if rerouted_L is None else rerouted_L
         if self.counts_LE is None:
             self.counts_LE, self.entropy_L, self.tokens_L = counts_LE.clone(), entropy_L.clone(), tokens_L.clone()
-            self.dropped_L = dropped_L.clone()
+            self.dropped_L, self.rerouted_L = dropped_L.clone(), rerouted_L.clone()
         else:
             self.counts_LE += counts_LE
             self.entropy_L += entropy_L
             self.tokens_L += tokens_L
             self.dropped_L += dropped_L
+            self.rerouted_L += rerouted_L
 
     def flat(self) -> torch.Tensor:
         """Everything as one tensor (to all-reduce SUM over ranks); `from_flat` undoes it."""
-        return torch.cat([self.counts_LE.flatten(), self.entropy_L, self.tokens_L, self.dropped_L])
+        return torch.cat([self.counts_LE.flatten(), self.entropy_L, self.tokens_L, self.dropped_L, self.rerouted_L])
 
     def from_flat(self, flat: torch.Tensor) -> "RouterTelemetry":
         L, E = self.counts_LE.shape
         out = RouterTelemetry()
         out.counts_LE = flat[:L * E].view(L, E)
-        out.entropy_L, out.tokens_L, out.dropped_L = flat[L * E:].view(3, L)
+        out.entropy_L, out.tokens_L, out.dropped_L, out.rerouted_L = flat[L * E:].view(4, L)
         return out
 
-    def report(self, ep: int = 1) -> Optional[dict]:
-        """Per-layer lists (module docstring); one host read. None when nothing was added."""
+    def report(self, ep: int = 1, bias_LE: Optional[torch.Tensor] = None) -> Optional[dict]:
+        """Per-layer lists (module docstring); one host read (the biases `bias_LE`, when given, ride along).
+        None when nothing was added."""
         if self.counts_LE is None:
             return None
-        counts = self.counts_LE.double().cpu()
+        L, E = self.counts_LE.shape
+        both = self.counts_LE.double() if bias_LE is None else torch.cat([self.counts_LE.double(),
+                                                                           bias_LE.to(self.counts_LE.device).double()])
+        both = both.cpu()
+        counts = both[:L]
         mean = counts.mean(1).clamp_min(1e-12)
-        L, E = counts.shape
         out = {
             "entropy": (self.entropy_L.double().cpu() / self.tokens_L.double().cpu().clamp_min(1)).tolist(),
             "max_over_mean": (counts.max(1).values / mean).tolist(),
@@ -88,7 +102,18 @@ class RouterTelemetry:
             "load": (counts / counts.sum(1, keepdim=True).clamp_min(1e-12)).tolist(),
             "dropped_frac": (self.dropped_L.double().cpu() / counts.sum(1).clamp_min(1e-12)).tolist(),
         }
+        if bias_LE is not None:
+            bias = both[L:]
+            out["rerouted_frac"] = (self.rerouted_L.double().cpu() / counts.sum(1).clamp_min(1e-12)).tolist()
+            out["bias_range"] = (bias.max(1).values - bias.min(1).values).tolist()
+            out["bias_std"] = bias.std(1, unbiased=False).tolist()
         if ep > 1 and E % ep == 0:
             per_rank = counts.view(L, ep, E // ep).sum(2)
             out["ep_max_over_mean"] = (per_rank.max(1).values / per_rank.mean(1).clamp_min(1e-12)).tolist()
         return out
+
+
+def expert_biases(model) -> Optional[torch.Tensor]:
+    """(L, E) the MoE layers' expert biases (model.moe.expert_bias), or None when the model has none."""
+    biases = [layer.expert_bias for layer in moe_layers(model) if getattr(layer, "expert_bias", None) is not None]
+    return torch.stack(biases) if biases else None

@@ -186,6 +186,18 @@ class Transformer(nn.Module):
                             "base vectors or score histograms")
         mod.set_skip_rate(rate, level)
 
+    def update_expert_bias(self, counts_LE: torch.Tensor) -> None:
+        """Loss-free balancing (model.moe.expert_bias): each MoE layer's bias from the optimizer step's routing
+        slots per expert over the global batch (`counts_LE`, MoE layers in depth order, as the trainer's router
+        telemetry sums them). The trainer calls it once per taken step; nothing else does."""
+        from nagmoe.model.router_health import moe_layers
+
+        layers = moe_layers(self)
+        if counts_LE.shape[0] != len(layers):
+            raise ValueError(f"update_expert_bias: {counts_LE.shape[0]} rows of counts for {len(layers)} MoE layers")
+        for layer, counts_E in zip(layers, counts_LE):
+            layer.update_expert_bias(counts_E)
+
     def new_cache(self, max_len: Optional[int] = None) -> InferenceCache:
         """An empty decoding state for up to `max_len` positions (default model.max_seq_len)."""
         return InferenceCache(len(self.blocks), max_len or self.config.max_seq_len)

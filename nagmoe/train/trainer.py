@@ -39,7 +39,7 @@ from nagmoe.parallel.grad_sync import clip_grad_norm_, named_params, sync_expert
 from nagmoe.parallel.mesh import ParallelMesh
 from nagmoe.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from nagmoe.checkpoint.lease import RunDirLease, fence_on_all_ranks
-from nagmoe.model.router_health import RouterTelemetry
+from nagmoe.model.router_health import RouterTelemetry, expert_biases
 from nagmoe.train.mod_accounting import ModAccount
 from nagmoe.job_environment import describe_environment
 from nagmoe.settings import check_start_settings
@@ -150,6 +150,7 @@ class Trainer:
         # one trainer per run dir (nagmoe.checkpoint.lease), taken before anything in it is read or written
         self._router_interval = RouterTelemetry()  # routing since the last logged report
         self._step_router = RouterTelemetry()  # the last optimizer step's routing (train_step refills it)
+        self._step_counts = None  # the last step's global routing counts (model.moe.expert_bias reads them)
         self.lease = None
         mesh.on_rank0(lambda: self._take_lease(take_over))
         try:
@@ -439,6 +440,8 @@ class Trainer:
             if not skipped:
                 self.optim.step()
             self.optim.zero_grad(set_to_none=True)
+        if not skipped and self._step_counts is not None and m.ffn == "moe" and m.moe.expert_bias:
+            self.model.update_expert_bias(self._step_counts)  # once per taken step, from the global batch
         # MoD: this step's scores set the next step's thresholds; its realised fractions price this step
         self.mod_executed = self.model.mod_update(self._sum_over_ranks if self.mesh.distributed else None)
         p.flops += self.step_flops()
@@ -493,6 +496,7 @@ class Trainer:
         """This optimizer step's routing summed over ranks (one all-reduce) into the interval's telemetry; the
         worst layer's max/mean expert load (1 = balanced) as a device tensor, read with the step's metrics."""
         step = self._step_router
+        self._step_counts = None
         if step.empty:
             return None
         flat = step.flat()
@@ -501,7 +505,9 @@ class Trainer:
 
             dist.all_reduce(flat)
         step = step.from_flat(flat)
-        self._router_interval.add_tensors(step.counts_LE, step.entropy_L, step.tokens_L, step.dropped_L)
+        self._router_interval.add_tensors(step.counts_LE, step.entropy_L, step.tokens_L, step.dropped_L,
+                                          step.rerouted_L)
+        self._step_counts = step.counts_LE  # the expert bias's update reads them once the step is taken
         counts = step.counts_LE
         return (counts.max(1).values / counts.mean(1).clamp_min(1e-9)).max()
 
@@ -510,7 +516,7 @@ class Trainer:
         read, at log steps only. None without MoE."""
         if self._router_interval.empty:
             return None
-        health = self._router_interval.report(self.mesh.ep)
+        health = self._router_interval.report(self.mesh.ep, expert_biases(self.model))
         health.pop("load")  # the L x E matrix stays out of every log line (nagmoe analyze has it)
         self._router_interval = RouterTelemetry()
         return health

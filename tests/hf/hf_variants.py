@@ -28,6 +28,9 @@ def _grid():
     out["nag-mha-moe-mod20"] = [*MOD, "model.attention.kind=mha"]
     out["nag-cca-moe32top4-mod20"] = [*MOD, "model.attention.kind=cca", "model.moe.n_experts=32",
                                       "model.moe.top_k=4", "model.nag.C=32"]
+    # the loss-free expert bias (issue 43) rides along: the export carries it on the selection key
+    out["prenorm-mha-moe-bias"] = ["model.residual=prenorm", "model.attention.kind=mha", "model.ffn=moe",
+                                   "model.moe.expert_bias=true"]
     return out
 
 
@@ -60,6 +63,9 @@ def redraw(model, seed: int = 0) -> None:
         else:
             std = 0.5
         p.copy_(torch.randn(p.shape, generator=g) * std)
+    for name, b in model.named_buffers():  # an expert bias that really reroutes (probabilities ~1/E)
+        if name.endswith("expert_bias"):
+            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     if hasattr(model.stream, "g_encode"):  # NAG logits = exp(s)·cos: a stream norm of ~e^3 gives logits of a few
         model.stream.g_encode.fill_(3.0)   # units, so the distribution is far from uniform (parity not vacuous)
 

@@ -116,3 +116,18 @@ def test_expert_choice_mutation_is_caught_by_identity(native_of, monkeypatch):
     assert same_decisions(native, hf) != []
     assert parity(native, hf)["max_dlogp"] < 1.0  # and is small in log p, which is why identity matters
     _ = MAX_LOGP
+
+
+def test_expert_bias_dropped(native_of):
+    """The export without the run's expert bias (zeros): the choices change on this batch and the identity check
+    sees it."""
+    name = "prenorm-mha-moe-bias"
+    native, hf_ok = outputs(native_of, name)
+    assert same_decisions(native, hf_ok) == []
+
+    def drop(m):
+        for block in m.model.blocks:
+            block.ffn.expert_bias.zero_()
+    _, hf = outputs(native_of, name, mutate=drop)
+    assert any(not torch.equal(hf[k], hf_ok[k]) for k in hf_ok if k.startswith("choices."))
+    assert same_decisions(native, hf) != []
