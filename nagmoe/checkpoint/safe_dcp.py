@@ -44,7 +44,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from nagmoe.errors import UserError
+from nagmoe.errors import UserError, shown
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _METADATA_CLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
@@ -221,9 +221,24 @@ def _quiet_dcp_logs():
         logger.setLevel(previous)
 
 
+def _check_model_keys(state_dict: dict, metadata: Any, checkpoint_id: str) -> None:
+    """Every model tensor the loading model has must be in the checkpoint: a structural config change (a buffer
+    that exists only when an option is on, e.g. model.moe.expert_bias) is one line here, not DCP's traceback."""
+    model = state_dict.get("model") if isinstance(state_dict, dict) else None
+    if not isinstance(model, dict):
+        return
+    saved = set(getattr(metadata, "state_dict_metadata", {}) or {})
+    missing = sorted(k for k in model if f"model.{k}" not in saved)
+    if missing:
+        raise UserError(f"{checkpoint_id}: the checkpoint has no {shown(missing[0])} ({len(missing)} model tensor"
+                        f"{'s' if len(missing) != 1 else ''} the config needs are missing: a structural change "
+                        "such as model.moe.expert_bias=true cannot resume it; use the config it was saved with)")
+
+
 def safe_dcp_load(state_dict: dict, checkpoint_id: str, no_dist: bool = False) -> None:
     """`dcp.load(state_dict, checkpoint_id=...)` with the checked metadata and the safe planner."""
     metadata = read_metadata_file(os.path.join(checkpoint_id, ".metadata"))
+    _check_model_keys(state_dict, metadata, checkpoint_id)
     reader, planner = SafeFileSystemReader(checkpoint_id, metadata), SafeLoadPlanner()
     try:
         with _quiet_dcp_logs():

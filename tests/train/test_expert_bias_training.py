@@ -1,0 +1,117 @@
+"""The expert bias in the trainer (issue 43 item 1): one update per taken optimizer step from the step's counts
+over the whole global batch; none on a skipped step, in eval or guard re-runs; saved, resumed, exported; its
+telemetry; no new host read."""
+import os
+import tempfile
+
+import pytest
+import torch
+
+from nagmoe.model.router_health import expert_biases, moe_layers
+
+BIAS = ("model.moe.expert_bias=true", "model.moe.bias_update_rate=0.01")
+
+
+def trainer_for(micro_config, *overrides, run_dir=None):
+    from nagmoe.train.trainer import Trainer
+
+    return Trainer(micro_config(*BIAS, *overrides), run_dir or tempfile.mkdtemp(), quiet=True)
+
+
+def test_one_update_per_step_whatever_the_accumulation(micro_config):
+    """accum 1 vs 4 over the same global batch: the same counts, the same b after step 1 (bitwise)."""
+    one = trainer_for(micro_config, "train.micro_batch_tokens=256")
+    four = trainer_for(micro_config, "train.micro_batch_tokens=64")
+    assert (one.accum, four.accum) == (1, 4)
+    one.train_step()
+    four.train_step()
+    assert torch.equal(one._step_counts, four._step_counts)
+    b1, b4 = expert_biases(one.model), expert_biases(four.model)
+    assert torch.equal(b1, b4) and float(b1.abs().max()) > 0  # moved, and once: |b_e| <= rate·(1 + 1)
+    assert float(b1.abs().max()) <= 0.02 + 1e-7
+
+
+def test_counts_under_activation_checkpointing_are_counted_once(micro_config):
+    plain = trainer_for(micro_config, "model.mod.skip_rate=0")
+    ckpt = trainer_for(micro_config, "model.mod.skip_rate=0", "train.activation_checkpointing=true")
+    plain.train_step()
+    ckpt.train_step()
+    top_k, tokens = plain.cfg.model.moe.top_k, plain.cfg.train.batch_tokens
+    assert torch.equal(plain._step_counts, ckpt._step_counts)
+    assert plain._step_counts.sum(1).tolist() == [top_k * tokens] * len(moe_layers(plain.model))
+    assert torch.equal(expert_biases(plain.model), expert_biases(ckpt.model))
+
+
+def test_eval_and_guard_forwards_do_not_move_the_bias(micro_config):
+    t = trainer_for(micro_config, "train.gate_collapse_every=1")
+    t.train_step()
+    before = expert_biases(t.model).clone()
+    t.evaluate()
+    from nagmoe.train.guards import realised_gains
+
+    realised_gains(t.model, t._last_batch[0], t.autocast)
+    with torch.no_grad():
+        t.model(t._last_batch[0])
+    assert torch.equal(before, expert_biases(t.model))
+
+
+def test_a_skipped_nonfinite_step_leaves_the_bias(micro_config):
+    t = trainer_for(micro_config, "train.nonfinite=skip")
+    t.train_step()
+    before = expert_biases(t.model).clone()
+    sub = list(t.model.sublayers())[1]
+    handle = sub.register_forward_hook(lambda m, i, out: (out[0] * float("nan"), *out[1:]))
+    rec = t.train_step()
+    handle.remove()
+    assert rec["nonfinite_skipped"] == 1
+    assert torch.equal(before, expert_biases(t.model))
+    t.train_step()
+    assert not torch.equal(before, expert_biases(t.model))  # the next taken step moves it again
+
+
+def test_save_and_resume_equal_the_straight_run(micro_config, tmp_path):
+    straight = trainer_for(micro_config, "train.max_steps=4", run_dir=str(tmp_path / "a"))
+    straight.run()
+    first = trainer_for(micro_config, "train.max_steps=2", run_dir=str(tmp_path / "b"))
+    first.run()
+    resumed = trainer_for(micro_config, "train.max_steps=4", run_dir=str(tmp_path / "b"))
+    assert torch.equal(expert_biases(resumed.model), expert_biases(first.model))  # loaded, not zeros
+    resumed.run()
+    assert torch.equal(expert_biases(straight.model), expert_biases(resumed.model))
+
+
+def test_a_bias_on_resume_from_a_checkpoint_without_it_is_one_line(micro_config, tmp_path, capsys):
+    from nagmoe.errors import UserError
+    from nagmoe.train.trainer import Trainer
+
+    run_dir = str(tmp_path / "run")
+    Trainer(micro_config("train.max_steps=2"), run_dir, quiet=True).run()
+    with pytest.raises(UserError) as e:
+        Trainer(micro_config(*BIAS, "train.max_steps=4"), run_dir, quiet=True, accept_config_change=True)
+    message = str(e.value)
+    assert "\n" not in message and "expert_bias" in message and len(message) < 400
+
+
+def test_the_report_reads_the_bias_and_rerouting(micro_config):
+    frozen = trainer_for(micro_config, "model.moe.bias_update_rate=0")
+    frozen.train_step()
+    report = frozen._router_report()
+    assert report["rerouted_frac"] == [0.0] * len(moe_layers(frozen.model)) and report["bias_range"] == [0.0, 0.0]
+    moving = trainer_for(micro_config)
+    for _ in range(3):
+        moving.train_step()
+    report = moving._router_report()
+    b = expert_biases(moving.model).double()
+    assert report["bias_range"] == pytest.approx((b.max(1).values - b.min(1).values).tolist(), abs=1e-12)
+    assert report["bias_std"] == pytest.approx(b.std(1, unbiased=False).tolist(), abs=1e-12)
+    assert max(report["rerouted_frac"]) > 0
+
+
+def test_no_new_host_read_per_step(micro_config):
+    from nagmoe.train.sync_count import SyncCounter
+
+    t = trainer_for(micro_config, "model.mod.skip_rate=0", "train.micro_batch_tokens=128")
+    t.train_step()
+    with SyncCounter() as counter:
+        t.train_step()
+    assert counter.by_file() == {"nagmoe/train/trainer.py": 1}, counter.table()
