@@ -10,12 +10,14 @@ one tensor to all-reduce over ranks; `report(ep)` reads them once and returns, p
 
   entropy            mean router entropy per token, nats (log E = uniform; 0 = one-hot)
   max_over_mean      max over experts of the slots / their mean (1 = balanced, E = one expert takes every slot)
+  min_over_mean      min over experts of the slots / their mean (1 = balanced, 0 = a dead expert)
   cv                 coefficient of variation of the slots over experts (std / mean, 0 = balanced)
   dead               experts that received no slot in the accumulated interval
   ep_max_over_mean   max over EP ranks of the slots their local experts received / the mean (R > 1 only)
   load               the slots per expert as fractions of the layer's slots (L x E: the report's heatmap)
   dropped_frac       routing slots dropped by model.moe.capacity_factor / all slots (0 when dropless)
 With the loss-free expert bias (model.moe.expert_bias) also:
+Across layers: `max_over_mean_p50`, `_p90`, `_max` (nearest-rank percentiles of the per-layer max_over_mean).
   rerouted_frac      the share of chosen (token, expert) slots that are not in the unbiased top-k (0 when b = 0)
   bias_range, bias_std   of each layer's bias b at the report (b is replicated: every rank's is the same)
 """
@@ -97,11 +99,16 @@ class RouterTelemetry:
         out = {
             "entropy": (self.entropy_L.double().cpu() / self.tokens_L.double().cpu().clamp_min(1)).tolist(),
             "max_over_mean": (counts.max(1).values / mean).tolist(),
+            "min_over_mean": (counts.min(1).values / mean).tolist(),
             "cv": (counts.std(1, unbiased=False) / mean).tolist(),
             "dead": (counts == 0).sum(1).tolist(),
             "load": (counts / counts.sum(1, keepdim=True).clamp_min(1e-12)).tolist(),
             "dropped_frac": (self.dropped_L.double().cpu() / counts.sum(1).clamp_min(1e-12)).tolist(),
         }
+        worst = sorted(out["max_over_mean"])
+        for name, q in (("p50", 0.5), ("p90", 0.9)):  # nearest rank: the smallest value with >= q of the layers
+            out[f"max_over_mean_{name}"] = worst[max(0, -(-int(q * 100) * L // 100) - 1)]
+        out["max_over_mean_max"] = worst[-1]
         if bias_LE is not None:
             bias = both[L:]
             out["rerouted_frac"] = (self.rerouted_L.double().cpu() / counts.sum(1).clamp_min(1e-12)).tolist()

@@ -17,6 +17,7 @@ rank 0; checkpoints are collective. One process runs exactly the single-device c
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -454,6 +455,9 @@ class Trainer:
         guard = {"nonfinite_skipped": p.nonfinite_skipped} if t.nonfinite == "skip" else {}
         return {"loss": loss_sum / self.accum, "aux_loss": aux_sum / self.accum, "lr": t.lr_matrix * lr_mult,
                 "lr_mult": lr_mult, "grad_norm": grad_norm, "injection_warmup": warm,
+                # the factor clipping scaled the gradients by (torch's rule: max_norm / (norm + 1e-6), at most 1)
+                "clip_coef": (min(1.0, max_norm / (grad_norm + 1e-6)) if math.isfinite(max_norm)
+                              and math.isfinite(grad_norm) else None),
                 "moe_max_over_mean": worst_load, **mod, **guard}
 
     def _nonfinite(self, loss: float, grad_norm, halt: bool = False) -> None:

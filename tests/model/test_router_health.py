@@ -41,8 +41,11 @@ def test_a_run_logs_router_health_per_layer(micro_config, tmp_path):
     n_layers, n_experts = cfg.model.n_layers, cfg.model.moe.n_experts
     for r in logged:
         router = r["router"]
-        assert set(router) == {"entropy", "max_over_mean", "cv", "dead", "dropped_frac"}
+        assert set(router) == {"entropy", "max_over_mean", "cv", "dead", "dropped_frac", "min_over_mean",
+                               "max_over_mean_p50", "max_over_mean_p90", "max_over_mean_max"}
         assert router["dropped_frac"] == [0.0] * len(router["dead"])  # dropless by default
+        across = {k: router.pop(k) for k in ("max_over_mean_p50", "max_over_mean_p90", "max_over_mean_max")}
+        assert across["max_over_mean_max"] == max(router["max_over_mean"])  # scalars across the layers
         assert all(len(v) == n_layers for v in router.values())
         assert all(0 < e <= math.log(n_experts) + 1e-6 for e in router["entropy"])
         assert all(0 <= d <= n_experts for d in router["dead"])
@@ -62,3 +65,20 @@ def test_the_analysis_has_a_router_section():
     assert len(router["max_over_mean"]) == 2 and "ep_max_over_mean" not in router
     dense = analyze_model(tiny_model(ffn="dense"), token_batches(), dial_rates=())["router"]
     assert isinstance(dense, str) and "dense" in dense
+
+
+def test_load_statistics_across_layers_equal_a_hand_computation():
+    """Issue 43 item 3: min/mean per layer, and nearest-rank p50/p90/max of the per-layer max/mean."""
+    import torch
+
+    from nagmoe.model.router_health import RouterTelemetry
+
+    counts = torch.tensor([[4, 4, 4, 4], [8, 4, 2, 2], [1, 1, 1, 13], [6, 2, 4, 4], [0, 8, 4, 4]], dtype=torch.float64)
+    t = RouterTelemetry()
+    t.add_tensors(counts, torch.ones(5), torch.full((5,), 8.0))
+    r = t.report()
+    means = counts.mean(1)
+    assert r["min_over_mean"] == pytest.approx((counts.min(1).values / means).tolist())
+    worst = sorted((counts.max(1).values / means).tolist())  # [1.0, 1.5, 2.0, 2.0, 3.25]
+    assert (r["max_over_mean_p50"], r["max_over_mean_p90"], r["max_over_mean_max"]) == (worst[2], worst[4], worst[4])
+    assert r["min_over_mean"][4] == 0.0 and r["dead"][4] == 1

@@ -115,3 +115,15 @@ def test_no_new_host_read_per_step(micro_config):
     with SyncCounter() as counter:
         t.train_step()
     assert counter.by_file() == {"nagmoe/train/trainer.py": 1}, counter.table()
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1.0, 0.0])
+def test_the_step_record_has_the_clip_coefficient(micro_config, clip):
+    """Issue 43 item 3: the factor global clipping scaled the gradients by, from the norm already read."""
+    t = trainer_for(micro_config, f"train.grad_clip={clip}")
+    rec = t.train_step()
+    if clip == 0:
+        assert rec["clip_coef"] is None
+    else:
+        assert rec["clip_coef"] == pytest.approx(min(1.0, clip / (rec["grad_norm"] + 1e-6)))
+        assert (rec["clip_coef"] < 1.0) == (rec["grad_norm"] > clip)
