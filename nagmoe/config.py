@@ -144,6 +144,9 @@ def _check_sizes(cfg: Config) -> None:
                           f"{cfg.model.vocab_size}, model.moe.n_experts={cfg.model.moe.n_experts})")
 
 
+LB_GRANULARITIES = ("micro_batch", "sequence")
+
+
 def validate_config(cfg: Config) -> None:
     for key, v in _leaf_values(cfg):  # nan/inf parse as floats ("nan", ".inf") but are never a setting
         if isinstance(v, float) and not math.isfinite(v):
@@ -193,6 +196,9 @@ def validate_config(cfg: Config) -> None:
     _check_mod_thresholds(m.mod)
     if not (math.isfinite(m.moe.bias_update_rate) and m.moe.bias_update_rate >= 0):
         raise ConfigError(f"model.moe.bias_update_rate: {m.moe.bias_update_rate} must be finite and >= 0")
+    if m.moe.lb_granularity not in LB_GRANULARITIES:
+        raise ConfigError(f"model.moe.lb_granularity: {shown(m.moe.lb_granularity)} is not one of "
+                          f"{', '.join(LB_GRANULARITIES)}")
     if m.moe.expert_bias and m.ffn != "moe":
         raise ConfigError("model.moe.expert_bias: the expert bias balances MoE routing; model.ffn is "
                           f"{shown(m.ffn)} (set model.ffn=moe or model.moe.expert_bias=false)")

@@ -75,6 +75,9 @@ class MoEConfig:
     # when on. rate 0 freezes b (and may change on resume).
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
+    # What the load-balancing loss balances over: micro_batch (this rank's micro-batch, as before) | sequence
+    # (each row's own tokens, averaged over rows; DeepSeek-V3's sequence-wise loss)
+    lb_granularity: str = "micro_batch"
 
 
 @dataclass
@@ -254,6 +257,7 @@ LEGACY_VALUES = {
     "train.export_hf_at_end": False,
     "model.moe.expert_bias": False,
     "model.moe.bias_update_rate": 1e-3,
+    "model.moe.lb_granularity": "micro_batch",
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract.
 RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every",

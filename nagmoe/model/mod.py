@@ -158,7 +158,10 @@ def run_on_executed(sublayer: Callable, x_BTD: torch.Tensor, select: Optional[Ex
     tokens (its aux losses are statistics of the executed tokens)."""
     if select is None:
         return sublayer(x_BTD)
-    out = sublayer(select.gather(x_BTD).unsqueeze(0))
+    # a MoE balancing per sequence needs each gathered token's row (model.moe.lb_granularity=sequence)
+    rows = ({"rows": (torch.div(select.index_N, select.T, rounding_mode="floor"), select.B)}
+            if getattr(sublayer, "lb_granularity", None) == "sequence" else {})
+    out = sublayer(select.gather(x_BTD).unsqueeze(0), **rows)
     return (out[0].squeeze(0), out[1], *(t.squeeze(0) for t in out[2:]))
 
 

@@ -66,6 +66,24 @@ def load_balancing_loss(probs_NE: torch.Tensor, counts_E: torch.Tensor, top_k: i
     return E * (f_E * P_E).sum()
 
 
+def sequence_balancing_loss(probs_NE: torch.Tensor, expert_NK: torch.Tensor, row_N: torch.Tensor, n_rows: int,
+                            top_k: int) -> torch.Tensor:
+    """The sequence-wise LB (model.moe.lb_granularity=sequence): per row b, E · Σ_e f_be · P_be over that row's
+    own tokens (f_be = its slots to e / (n_b·K), P_be = its mean probability of e), averaged over the rows that
+    routed any token (MoD may leave a row none). Device ops only: no host read."""
+    N, E = probs_NE.shape
+    if N == 0:
+        return probs_NE.sum() * 0.0
+    ones_N = torch.ones(N, dtype=probs_NE.dtype, device=probs_NE.device)
+    tokens_B = probs_NE.new_zeros(n_rows).index_add_(0, row_N, ones_N)
+    P_BE = probs_NE.new_zeros(n_rows, E).index_add(0, row_N, probs_NE) / tokens_B.clamp_min(1).unsqueeze(1)
+    slot_S = (row_N.unsqueeze(1) * E + expert_NK).reshape(-1)
+    counts_BE = probs_NE.new_zeros(n_rows * E).index_add_(0, slot_S, ones_N.repeat_interleave(top_k)).view(n_rows, E)
+    f_BE = counts_BE / (tokens_B * top_k).clamp_min(1).unsqueeze(1)
+    live_B = (tokens_B > 0).to(probs_NE.dtype)
+    return (E * (f_BE * P_BE).sum(1) * live_B).sum() / live_B.sum().clamp_min(1)
+
+
 def router_z_loss(logits_NE: torch.Tensor) -> torch.Tensor:
     """Z = mean_n (logsumexp_e logits_ne)²: keeps router logits small (ST-MoE)."""
     if logits_NE.shape[0] == 0:
@@ -125,6 +143,7 @@ class MoELayer(nn.Module):
         self.first_expert = 0  # global index of w_in[0] / w_out[0] (keep_experts)
         self.gate_scale_output = gate_scale_output
         self.capacity_factor = getattr(cfg, "capacity_factor", None)
+        self.lb_granularity = getattr(cfg, "lb_granularity", "micro_batch")
         # loss-free balancing (model.moe.expert_bias): the (E,) selection bias, a buffer only when on (a run dir
         # saved without it must load unchanged); updated by `update_expert_bias` once per optimizer step
         self.bias_update_rate = float(getattr(cfg, "bias_update_rate", 0.0))
@@ -201,7 +220,9 @@ class MoELayer(nn.Module):
             self.ran["experts"] = expert_path(self.backend, x_SD, self.w_in)
         return EXPERT_FORWARD[self.backend](x_SD, self.w_in, self.w_out, counts_E)
 
-    def forward(self, x_BTD: torch.Tensor) -> tuple:
+    def forward(self, x_BTD: torch.Tensor, rows: Optional[tuple] = None) -> tuple:
+        """`rows` = (row_N, n_rows): each token's row when x_BTD is a flat gather of several rows (MoD's
+        executed tokens as (1, N, D)); the sequence-wise balance loss reads it. Default: the B rows of x_BTD."""
         B, T, D = x_BTD.shape
         N, E, K = B * T, self.n_experts, self.top_k
         x_ND = x_BTD.reshape(N, D)
@@ -221,7 +242,12 @@ class MoELayer(nn.Module):
         # routing slots per expert, on the device (bincount would read its output size on the host)
         counts_E = expert_S.new_zeros(E).index_add_(0, expert_S, torch.ones_like(expert_S))
 
-        lb = load_balancing_loss(probs_NE, counts_E, K)
+        if self.lb_granularity == "sequence":
+            row_N, n_rows = rows if rows is not None else (
+                torch.arange(B, device=x_BTD.device).repeat_interleave(T), B)
+            lb = sequence_balancing_loss(probs_NE, expert_NK, row_N, n_rows, K)
+        else:
+            lb = load_balancing_loss(probs_NE, counts_E, K)
         z = router_z_loss(logits_NE)
         aux_loss = self.lb_loss_weight * lb + self.z_loss_weight * z
 
