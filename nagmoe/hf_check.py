@@ -1,12 +1,17 @@
 """Run as a script by `nagmoe export-hf` (and the tests): load an export the way a user who never heard of nagmoe
 does, in a process where `import nagmoe` fails and the hub is offline, and write what it computes.
 
-    python hf_check.py EXPORT_DIR ROWS.pt RESULT.pt
+    python hf_check.py EXPORT_DIR ROWS.pt
 
-ROWS.pt: {"ids": (B, T) int64}. RESULT.pt: {"logits": (B, T, V) fp32, "loading_info": {...}, "dtypes": {key:
-dtype name}, "choices.<layer>": (B·T, k) experts, "mask.<sublayer>": (B, T) bool or absent}. Imports nothing
-from nagmoe (it must not be importable here)."""
+ROWS.pt: {"ids": (B, T) int64}. The result goes to stdout as one line, RESULT_MARK + base64 of a torch.save of
+{"logits": (B, T, V) fp32, "loading_info": {...}, "dtypes": {key: dtype name}, "choices.<layer>": (B·T, k)
+experts, "mask.<sublayer>": (B, T) bool or absent} (no file: the process writes nothing). Imports nothing from
+nagmoe (it must not be importable here)."""
+import base64
+import io
 import sys
+
+RESULT_MARK = "NAGMOE-HF-CHECK-RESULT "
 
 
 class _NoNagmoe:
@@ -18,7 +23,7 @@ class _NoNagmoe:
         return None
 
 
-def main(export_dir: str, rows_path: str, result_path: str) -> int:
+def main(export_dir: str, rows_path: str) -> int:
     sys.meta_path.insert(0, _NoNagmoe())
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -43,9 +48,23 @@ def main(export_dir: str, rows_path: str, result_path: str) -> int:
         for index, mask in mod.last_masks.items():
             if mask is not None:
                 out[f"mask.{index}"] = mask
-    torch.save(out, result_path)
+    with io.BytesIO() as buffer:  # in memory: this process writes no file
+        torch.save(out, buffer)
+        data = buffer.getvalue()
+    sys.stdout.write("\n" + RESULT_MARK + base64.b64encode(data).decode("ascii") + "\n")
+    sys.stdout.flush()
     return 0
 
 
+def parse_result(stdout: str):
+    """The result a run of this script printed (None when it printed none)."""
+    import torch
+
+    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if not lines:
+        return None
+    return torch.load(io.BytesIO(base64.b64decode(lines[-1][len(RESULT_MARK):])), weights_only=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:4]))
+    sys.exit(main(*sys.argv[1:3]))

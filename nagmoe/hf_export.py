@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from nagmoe.errors import UserError, shown
+from nagmoe.safe_files import make_temp_dir, write_atomic
 
 HF_FILES = ("configuration_nagmoe.py", "modeling_nagmoe.py", "layers_nagmoe.py", "nag_math.py")
 HF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf")
@@ -254,17 +255,22 @@ def compare(native: dict, hf: dict, dtype: str) -> list[str]:
 def run_check(export_dir: str, ids_BT: torch.Tensor, workdir: str) -> dict:
     """The check script (nagmoe/hf_check.py) in a fresh process: nagmoe blocked, hub offline, its own module
     cache; returns what it computed."""
-    rows, result = os.path.join(workdir, "rows.pt"), os.path.join(workdir, "result.pt")
-    torch.save({"ids": ids_BT}, rows)
+    from nagmoe.hf_check import parse_result
+    from nagmoe.safe_files import atomic_writer
+
+    rows = os.path.join(workdir, "rows.pt")
+    with atomic_writer(rows, binary=True) as f:
+        torch.save({"ids": ids_BT}, f)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_MODULES_CACHE": os.path.join(workdir, "modules"), "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run([sys.executable, CHECK_SCRIPT, export_dir, rows, result], env=env, cwd=workdir,
+    proc = subprocess.run([sys.executable, CHECK_SCRIPT, export_dir, rows], env=env, cwd=workdir,
                           capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
+    result = parse_result(proc.stdout) if proc.returncode == 0 else None
+    if result is None:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise ExportCheckFailed(f"the export does not load without nagmoe: {last[:300]}")
-    return torch.load(result, weights_only=True)
+    return result
 
 
 class ExportCheckFailed(Exception):
@@ -307,18 +313,18 @@ def export_run(run_dir: str, out: str, checkpoint: Optional[str] = None, dtype: 
         if state[key].dtype != t.dtype:
             _set_tensor(hf_model, key, state[key])
     parent = os.path.dirname(os.path.abspath(out))
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.tmp-", dir=parent)
-    work = tempfile.mkdtemp(prefix="nagmoe-export-check-")
+    # a fresh sibling, mode 0777 minus the umask (it becomes --out: a shared tree's group must read it)
+    tmp = make_temp_dir(parent, f".{os.path.basename(os.path.abspath(out))}.tmp-", mode=0o777)
+    work = tempfile.mkdtemp(prefix="nagmoe-export-check-")  # private (0700): the check's rows and module cache
     try:
         hf_model.save_pretrained(tmp)
         for name in HF_FILES:
-            shutil.copyfile(os.path.join(HF_DIR, name), os.path.join(tmp, name))
+            with open(os.path.join(HF_DIR, name), "rb") as f:
+                write_atomic(os.path.join(tmp, name), f.read())
         hf_tokenizer(run).save_pretrained(tmp)
         _generation_config(run).save_pretrained(tmp)
-        with open(os.path.join(tmp, "README.md"), "w") as f:
-            f.write(model_card(run, hf_cfg, source, dtype))
-        with open(os.path.join(tmp, "provenance.json"), "w") as f:
-            json.dump(source, f, indent=1)
+        write_atomic(os.path.join(tmp, "README.md"), model_card(run, hf_cfg, source, dtype))
+        write_atomic(os.path.join(tmp, "provenance.json"), json.dumps(source, indent=1))
         checked = None
         if validate:
             ids = validation_rows(run)

@@ -37,14 +37,12 @@ def read_export_config(export_dir: str) -> dict:
 
 def import_export(export_dir: str, run_dir: str) -> str:
     """Import (module docstring); returns the checkpoint written."""
-    import shutil
-
     import torch
 
     from nagmoe.checkpoint.run_dir import CONFIG_FILE
     from nagmoe.checkpoint.torch_layout import save_checkpoint
     from nagmoe.config import config_from_dict
-    from nagmoe.data.tokenizer import bos_id, check_vocab, load_tokenizer
+    from nagmoe.data.tokenizer import bos_id, check_vocab, read_tokenizer_bytes, tokenizer_from_bytes
     from nagmoe.model import build_model
     from nagmoe.safe_files import write_atomic
     from nagmoe.schema import dump_yaml
@@ -59,7 +57,8 @@ def import_export(export_dir: str, run_dir: str) -> str:
                             "data": {"seq_len": data["seq_len"], "data_dir": data_dir},
                             "train": {"precision": data["precision"]}})
     tok_src = os.path.join(export_dir, "tokenizer.json")
-    tokenizer = load_tokenizer(tok_src)
+    tok_bytes = read_tokenizer_bytes(tok_src)  # read once: what is checked is what is copied
+    tokenizer = tokenizer_from_bytes(tok_bytes, tok_src)
     check_vocab(tokenizer, cfg.model.vocab_size, tok_src)
     bos_id(tokenizer, tok_src)
     weights = os.path.join(export_dir, "model.safetensors")
@@ -91,7 +90,7 @@ def import_export(export_dir: str, run_dir: str) -> str:
     source = data.get("source") if isinstance(data.get("source"), dict) else {}
     step = source.get("step") if isinstance(source.get("step"), int) and 0 <= source.get("step") < 2 ** 62 else 0
     os.makedirs(data_dir, exist_ok=True)
-    shutil.copyfile(tok_src, os.path.join(data_dir, "tokenizer.json"))
+    write_atomic(os.path.join(data_dir, "tokenizer.json"), tok_bytes)
     write_atomic(os.path.join(run_dir, CONFIG_FILE), dump_yaml(cfg), durable=True)
     return save_checkpoint(run_dir, step, model, extra_state={"step": step, "imported_from": os.path.abspath(
         export_dir)[:4096]}, keep=1)

@@ -54,14 +54,16 @@ def test_nag_math_is_nagmoes_byte_for_byte(repo_root):
 
 
 def run_check_script(export_dir, ids, work):
-    """hf_check.py as the export runs it: nagmoe blocked, offline, its own module cache."""
-    rows, result = os.path.join(work, "rows.pt"), os.path.join(work, "result.pt")
+    """hf_check.py as the export runs it: nagmoe blocked, offline, its own module cache; (process, result)."""
+    from nagmoe.hf_check import parse_result
+
+    rows = os.path.join(work, "rows.pt")
     torch.save({"ids": ids}, rows)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": os.path.join(work, "modules")}
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run([sys.executable, CHECK_SCRIPT, export_dir, rows, result], env=env, cwd=work,
+    proc = subprocess.run([sys.executable, CHECK_SCRIPT, export_dir, rows], env=env, cwd=work,
                           capture_output=True, text=True, timeout=300)
-    return proc, result
+    return proc, parse_result(proc.stdout)
 
 
 def test_an_in_process_export_of_a_second_variant_loads_without_nagmoe(native_of, tmp_path):
@@ -81,7 +83,7 @@ def test_an_in_process_export_of_a_second_variant_loads_without_nagmoe(native_of
     ids = V.test_batch()
     proc, result = run_check_script(str(out), ids, str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    got = torch.load(result, weights_only=True)
+    got = result
     assert all(v == [] for v in got["loading_info"].values())
     assert compare(native_outputs(model, ids), got, "float32") == []
 
@@ -99,4 +101,4 @@ def test_the_cli_export_ran_its_check_without_nagmoe(exported_run, tmp_path):
     ids = V.test_batch(rows=2)
     proc, result = run_check_script(out, ids % 512, str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert torch.load(result, weights_only=True)["logits"].shape == (2, V.SEQ, 512)
+    assert result["logits"].shape == (2, V.SEQ, 512)

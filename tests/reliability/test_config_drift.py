@@ -44,7 +44,8 @@ def test_config_drift_refuses_listing_the_keys_and_force_overrides(short_config,
                                      "train.checkpoint_every_minutes=60", "train.keep_milestone_every_tokens=512"])
     assert {"train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every",
             "train.keep_checkpoints", "log.wandb", "train.checkpoint_every_minutes",
-            "train.keep_milestone_every_tokens"} == set(RESUMABLE_KEYS)
+            "train.keep_milestone_every_tokens", "train.export_hf_at_end",
+            "model.moe.bias_update_rate"} == set(RESUMABLE_KEYS)  # the export at the end, the bias's rate (42, 43)
     trainer = Trainer(cfg, run_dir, quiet=True)
     assert trainer.progress.step == 2
     trainer.run()
