@@ -144,7 +144,7 @@ def _check_sizes(cfg: Config) -> None:
                           f"{cfg.model.vocab_size}, model.moe.n_experts={cfg.model.moe.n_experts})")
 
 
-LB_GRANULARITIES = ("micro_batch", "sequence")
+LB_GRANULARITIES = ("micro_batch", "sequence", "global_batch")
 
 
 def validate_config(cfg: Config) -> None:

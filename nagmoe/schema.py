@@ -76,7 +76,8 @@ class MoEConfig:
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
     # What the load-balancing loss balances over: micro_batch (this rank's micro-batch, as before) | sequence
-    # (each row's own tokens, averaged over rows; DeepSeek-V3's sequence-wise loss)
+    # (each row's own tokens, averaged over rows; DeepSeek-V3's sequence-wise loss) | global_batch (f from the
+    # step's counts so far over every rank, P local: Qwen's global-batch balancing; added by the trainer)
     lb_granularity: str = "micro_batch"
 
 

@@ -40,7 +40,8 @@ from nagmoe.parallel.grad_sync import clip_grad_norm_, named_params, sync_expert
 from nagmoe.parallel.mesh import ParallelMesh
 from nagmoe.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from nagmoe.checkpoint.lease import RunDirLease, fence_on_all_ranks
-from nagmoe.model.router_health import RouterTelemetry, expert_biases
+from nagmoe.model.moe import GlobalBalance
+from nagmoe.model.router_health import RouterTelemetry, expert_biases, moe_layers
 from nagmoe.train.mod_accounting import ModAccount
 from nagmoe.job_environment import describe_environment
 from nagmoe.settings import check_start_settings
@@ -395,6 +396,8 @@ class Trainer:
         loss_sum = aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         model = self.engine if self.engine is not None else self.ddp if self.ddp is not None else self.model
         self._step_router = RouterTelemetry()  # this step's routing, summed over its micro-batches
+        # model.moe.lb_granularity=global_batch: the balance loss from the step's counts over every rank so far
+        balance = GlobalBalance() if m.ffn == "moe" and m.moe.lb_granularity == "global_batch" else None
         for i in range(self.accum):
             x, y = next(self.loader)
             x, y = to_device(x, self.device), to_device(y, self.device)  # pinned, non-blocking on CUDA
@@ -404,12 +407,16 @@ class Trainer:
                 with self.autocast:
                     out = model(x, y)
                 self._step_router.add(self.model)
+                aux = out.aux_loss
+                if balance is not None:  # one stacked all-reduce per micro-step, after the forward
+                    aux = aux + balance.loss(moe_layers(self.model),
+                                             self._sum_over_ranks if self.mesh.distributed else None)
                 if self.engine is not None:  # DeepSpeed divides by the micro-steps, reduces on the last one
-                    self.engine.backward(out.loss + out.aux_loss, boundary=i == self.accum - 1)
+                    self.engine.backward(out.loss + aux, boundary=i == self.accum - 1)
                 else:
-                    ((out.loss + out.aux_loss) / self.accum).backward()
+                    ((out.loss + aux) / self.accum).backward()
             loss_sum = loss_sum + out.loss.detach().float()
-            aux_sum = aux_sum + out.aux_loss.detach().float()
+            aux_sum = aux_sum + aux.detach().float()
         self._last_batch = (x, y)  # the guards re-run it (non-finite scan, gate statistics)
         sums = torch.stack([loss_sum, aux_sum])
         if self.mesh.distributed:  # every rank takes the same guard decisions
