@@ -1,7 +1,6 @@
 """The exported tokenizer encodes as nagmoe trains (BOS first, special-token text as text) and the exported model
 generates what `nagmoe generate` generates (issue 42, "Tokenizer" and "Generation")."""
 import json
-import os
 
 import pytest
 import torch

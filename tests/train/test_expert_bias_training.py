@@ -1,7 +1,6 @@
 """The expert bias in the trainer (issue 43 item 1): one update per taken optimizer step from the step's counts
 over the whole global batch; none on a skipped step, in eval or guard re-runs; saved, resumed, exported; its
 telemetry; no new host read."""
-import os
 import tempfile
 
 import pytest
