@@ -77,6 +77,12 @@ def step_losses(run_dir):
     return [(r["step"], r["loss"]) for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
 
 
+def step_grad_norms(run_dir):
+    from nagmoe.train.metrics import read_metrics
+
+    return [(r["step"], r["grad_norm"]) for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
+
+
 def params_of(model):
     return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 
@@ -131,6 +137,7 @@ def two_rank_session(overrides, tmp):
         text = sample_text(trainer.model, trainer.cfg)  # the sharded model decodes on both ranks in lockstep
         out[name] = {"rows": trainer.loader.rows, "params": params_of(trainer.model), "logits": logits, "text": text,
                      "losses": step_losses(run_dir) if rank == 0 else None,
+                     "grad_norms": step_grad_norms(run_dir) if rank == 0 else None,
                      "expert_names": trainer.expert_names}
     # save at step 3, resume to 5 (EP=2); keep a copy of the step-3 run dir for a 1-process resume
     run_dir = os.path.join(tmp, "resumed")
@@ -195,7 +202,8 @@ def single(overrides, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("single")
     trainer = make_trainer(overrides, run_dir)
     trainer.run()
-    return {"rows": trainer.loader.rows, "params": params_of(trainer.model), "losses": step_losses(run_dir)}
+    return {"rows": trainer.loader.rows, "params": params_of(trainer.model), "losses": step_losses(run_dir),
+            "grad_norms": step_grad_norms(run_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +230,16 @@ def full_params(results, name):
 # ----------------------------------------------------------------------------------------------------------
 # Tests
 # ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["ep2", "dp2"])
+def test_the_global_grad_norm_equals_single_process(session, single, name):
+    """Issue 43 item 4: clipping by the global norm under EP (dense norm after DDP, expert norm summed over the EP
+    group) and DP reads the norm one process reads, every step (fp32, 1e-5)."""
+    _, results = session
+    got, want = results[0][name]["grad_norms"], single["grad_norms"]
+    assert [s for s, _ in got] == [s for s, _ in want] and len(want) == STEPS
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=0, atol=TOL)
+
+
 @pytest.mark.parametrize("name", ["ep2", "dp2"])
 def test_two_ranks_equal_single_process(session, single, name):
     _, results = session
