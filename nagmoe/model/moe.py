@@ -145,6 +145,7 @@ class MoELayer(nn.Module):
         self.capacity_factor = getattr(cfg, "capacity_factor", None)
         self.lb_granularity = getattr(cfg, "lb_granularity", "micro_batch")
         self.balance_inputs = None  # global_batch: (P_E with its graph, counts_E, tokens) of the last forward
+        self.received_rows: Optional[int] = None  # rows an expert-parallel dispatcher received in the last call
         # loss-free balancing (model.moe.expert_bias): the (E,) selection bias, a buffer only when on (a run dir
         # saved without it must load unchanged); updated by `update_expert_bias` once per optimizer step
         self.bias_update_rate = float(getattr(cfg, "bias_update_rate", 0.0))
@@ -266,6 +267,7 @@ class MoELayer(nn.Module):
 
         # 3. experts (with a capacity: only the kept slots travel; the dropped ones get y = 0)
         capacity = self.capacity(N) if self.training else None
+        self.received_rows = None  # set by an expert-parallel dispatcher (a host int it has read anyway)
         keep_S = None
         if capacity is None:
             y_SD = self.run_experts(x_SD, counts_E)
@@ -293,7 +295,11 @@ class MoELayer(nn.Module):
                            # a fill on the device, not a copy of a host int (a sync per layer on CUDA)
                            "router_tokens": torch.full((), N, dtype=torch.int64, device=probs_NE.device),
                            "dropped_slots": dropped,
-                           **({"rerouted_slots": rerouted} if rerouted is not None else {})}
+                           **({"rerouted_slots": rerouted} if rerouted is not None else {}),
+                           # a fill on the device from the dispatcher's host int: no copy, no read
+                           **({"received_rows": torch.full((), self.received_rows, dtype=torch.float64,
+                                                           device=probs_NE.device)}
+                              if self.received_rows is not None else {})}
         if not self.gate_scale_output:
             return y_ND.view(B, T, D), aux_loss
         if keep_S is None:

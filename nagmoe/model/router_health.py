@@ -17,6 +17,9 @@ one tensor to all-reduce over ranks; `report(ep)` reads them once and returns, p
   load               the slots per expert as fractions of the layer's slots (L x E: the report's heatmap)
   dropped_frac       routing slots dropped by model.moe.capacity_factor / all slots (0 when dropless)
 With the loss-free expert bias (model.moe.expert_bias) also:
+Under expert parallelism (what sets EP step time): `receive_peak_rows`, the most rows one rank received in one
+layer's all-to-all in one micro-step, and `receive_peak_over_mean`, the largest such busiest-rank / mean-rank
+ratio (over layers, micro-steps and the interval's steps; activation-checkpoint recompute is never added).
 Across layers: `max_over_mean_p50`, `_p90`, `_max` (nearest-rank percentiles of the per-layer max_over_mean).
   rerouted_frac      the share of chosen (token, expert) slots that are not in the unbiased top-k (0 when b = 0)
   bias_range, bias_std   of each layer's bias b at the report (b is replicated: every rank's is the same)
@@ -40,16 +43,29 @@ class RouterTelemetry:
         self.tokens_L: Optional[torch.Tensor] = None   # routed tokens
         self.dropped_L: Optional[torch.Tensor] = None  # slots over an expert's capacity (training only)
         self.rerouted_L: Optional[torch.Tensor] = None  # slots the expert bias moved off the unbiased top-k
+        # EP: each micro-step's received rows per (layer, rank) (this rank's column filled; the SUM all-reduce
+        # fills the others), and the interval's running peaks
+        self.received: list = []
+        self.world = 1
+        self.peak_rows: Optional[torch.Tensor] = None
+        self.peak_ratio: Optional[torch.Tensor] = None
 
     @property
     def empty(self) -> bool:
         return self.counts_LE is None
 
-    def add(self, model) -> None:
-        """Add the last forward's statistics of every MoE layer of `model` (device ops only)."""
+    def add(self, model, rank: int = 0, world: int = 1) -> None:
+        """Add the last forward's statistics of every MoE layer of `model` (device ops only); `rank`/`world`
+        place this rank's received rows (expert parallelism) for the receive peak."""
         layers = [layer for layer in moe_layers(model) if "tokens_per_expert" in layer.last_stats]
         if not layers:
             return
+        if all("received_rows" in layer.last_stats for layer in layers):
+            rows_L = torch.stack([layer.last_stats["received_rows"] for layer in layers])
+            received_LW = rows_L.new_zeros(len(layers), world)
+            received_LW[:, rank] = rows_L
+            self.received.append(received_LW)
+            self.world = world
         counts = torch.stack([layer.last_stats["tokens_per_expert"].to(torch.float64) for layer in layers])
         entropy = torch.stack([layer.last_stats["router_entropy_sum"].to(torch.float64) for layer in layers])
         tokens = torch.stack([layer.last_stats["router_tokens"].to(torch.float64) for layer in layers])
@@ -76,14 +92,32 @@ class RouterTelemetry:
 
     def flat(self) -> torch.Tensor:
         """Everything as one tensor (to all-reduce SUM over ranks); `from_flat` undoes it."""
-        return torch.cat([self.counts_LE.flatten(), self.entropy_L, self.tokens_L, self.dropped_L, self.rerouted_L])
+        parts = [self.counts_LE.flatten(), self.entropy_L, self.tokens_L, self.dropped_L, self.rerouted_L]
+        return torch.cat(parts + [r.flatten() for r in self.received])
 
     def from_flat(self, flat: torch.Tensor) -> "RouterTelemetry":
         L, E = self.counts_LE.shape
         out = RouterTelemetry()
         out.counts_LE = flat[:L * E].view(L, E)
-        out.entropy_L, out.tokens_L, out.dropped_L, out.rerouted_L = flat[L * E:].view(4, L)
+        out.entropy_L, out.tokens_L, out.dropped_L, out.rerouted_L = flat[L * E:L * E + 4 * L].view(4, L)
+        if self.received:
+            received_MLW = flat[L * E + 4 * L:].view(len(self.received), L, self.world)
+            out.received, out.world = list(received_MLW), self.world
+            out.note_peaks(received_MLW)
         return out
+
+    def note_peaks(self, received_MLW: torch.Tensor) -> None:
+        """Fold micro-steps' received rows (every rank's column filled) into the running peaks (device ops)."""
+        busiest_ML = received_MLW.max(2).values
+        rows, ratio = busiest_ML.max(), (busiest_ML / received_MLW.mean(2).clamp_min(1e-9)).max()
+        self.peak_rows = rows if self.peak_rows is None else torch.maximum(self.peak_rows, rows)
+        self.peak_ratio = ratio if self.peak_ratio is None else torch.maximum(self.peak_ratio, ratio)
+
+    def add_peaks(self, other: "RouterTelemetry") -> None:
+        for name in ("peak_rows", "peak_ratio"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if theirs is not None:
+                setattr(self, name, theirs if mine is None else torch.maximum(mine, theirs))
 
     def report(self, ep: int = 1, bias_LE: Optional[torch.Tensor] = None) -> Optional[dict]:
         """Per-layer lists (module docstring); one host read (the biases `bias_LE`, when given, ride along).
@@ -109,6 +143,9 @@ class RouterTelemetry:
         for name, q in (("p50", 0.5), ("p90", 0.9)):  # nearest rank: the smallest value with >= q of the layers
             out[f"max_over_mean_{name}"] = worst[max(0, -(-int(q * 100) * L // 100) - 1)]
         out["max_over_mean_max"] = worst[-1]
+        if self.peak_rows is not None:
+            peaks = torch.stack([self.peak_rows.double(), self.peak_ratio.double()]).cpu().tolist()
+            out["receive_peak_rows"], out["receive_peak_over_mean"] = peaks
         if bias_LE is not None:
             bias = both[L:]
             out["rerouted_frac"] = (self.rerouted_L.double().cpu() / counts.sum(1).clamp_min(1e-12)).tolist()

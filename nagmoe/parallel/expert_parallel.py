@@ -80,6 +80,7 @@ class AllToAllDispatcher:
         # the layer's one host read (issue 26's EP budget): the all-to-all split sizes, both directions
         send_sizes, recv_sizes = torch.stack([counts_E.view(P, L).sum(1).to(recv_PL.device),
                                               recv_PL.sum(1)]).tolist()
+        layer.received_rows = sum(recv_sizes)  # the router telemetry's receive peak (already a host int)
         if torch.is_grad_enabled():
             self.traffic["calls"] += 1
             self.traffic["sent"] += sum(send_sizes)

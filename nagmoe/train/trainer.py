@@ -406,7 +406,7 @@ class Trainer:
             with self.ddp.no_sync() if skip_sync else nullcontext():
                 with self.autocast:
                     out = model(x, y)
-                self._step_router.add(self.model)
+                self._step_router.add(self.model, self.rank, self.world_size)
                 aux = out.aux_loss
                 if balance is not None:  # one stacked all-reduce per micro-step, after the forward
                     aux = aux + balance.loss(moe_layers(self.model),
@@ -518,6 +518,7 @@ class Trainer:
         step = step.from_flat(flat)
         self._router_interval.add_tensors(step.counts_LE, step.entropy_L, step.tokens_L, step.dropped_L,
                                           step.rerouted_L)
+        self._router_interval.add_peaks(step)  # EP: the busiest rank's received rows
         self._step_counts = step.counts_LE  # the expert bias's update reads them once the step is taken
         counts = step.counts_LE
         return (counts.max(1).values / counts.mean(1).clamp_min(1e-9)).max()

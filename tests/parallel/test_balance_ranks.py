@@ -81,3 +81,46 @@ def test_the_bias_is_bitwise_equal_on_every_rank_and_to_one_process(four_ranks, 
         assert all(rank[name]["bias"] == four_ranks[0][name]["bias"] for rank in four_ranks)
         assert four_ranks[0][name]["bias"] == single[name]["bias"]
         assert max(abs(v) for row in single[name]["bias"] for v in row) > 0
+
+
+def skewed_step(overrides):
+    """One EP=2 step with a planted skew (b = +1 on experts 0 and 1, EP rank 0's): the receive peak of the step
+    against the dispatcher's own per-call received rows, recorded here."""
+    import torch
+    import torch.distributed as dist
+
+    from nagmoe.model.router_health import moe_layers
+    from nagmoe.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    trainer = Trainer(load([*overrides, *COMMON, "model.moe.expert_bias=true", "parallel.ep=2"]),
+                      tempfile.mkdtemp(), quiet=True)
+    calls = []
+    for layer in moe_layers(trainer.model):
+        with torch.no_grad():
+            layer.expert_bias[:2] += 1.0
+        original = layer.dispatcher
+
+        def recording(lay, x_SD, counts_E, _original=original):
+            out = _original(lay, x_SD, counts_E)
+            calls.append(lay.received_rows)
+            return out
+        layer.dispatcher = recording
+    trainer.train_step()
+    report = trainer._router_report()
+    return {"rank": dist.get_rank(), "calls": calls, "peak_rows": report["receive_peak_rows"],
+            "peak_over_mean": report["receive_peak_over_mean"], "ep_rank": trainer.mesh.ep_rank}
+
+
+def test_the_receive_peak_equals_the_dispatchers_counts(micro_overrides):
+    ranks = run_on_ranks(skewed_step, 4, [*micro_overrides, "train.micro_batch_tokens=64"], timeout=300)
+    n_calls = len(ranks[0]["calls"])
+    assert n_calls and all(len(r["calls"]) == n_calls for r in ranks)
+    per_call = [[r["calls"][i] for r in ranks] for i in range(n_calls)]  # every rank's rows, call by call
+    want_rows = max(max(c) for c in per_call)
+    want_ratio = max(max(c) / (sum(c) / len(c)) for c in per_call)
+    for r in ranks:  # the same report on every rank (it rides the step's all-reduce)
+        assert r["peak_rows"] == want_rows and r["peak_over_mean"] == pytest.approx(want_ratio, rel=1e-12)
+    assert want_ratio > 1.3  # the planted skew shows: EP rank 0 receives most rows
+    busiest = max(ranks, key=lambda r: max(r["calls"]))
+    assert busiest["ep_rank"] == 0
