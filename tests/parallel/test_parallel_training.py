@@ -233,11 +233,12 @@ def full_params(results, name):
 @pytest.mark.parametrize("name", ["ep2", "dp2"])
 def test_the_global_grad_norm_equals_single_process(session, single, name):
     """Issue 43 item 4: clipping by the global norm under EP (dense norm after DDP, expert norm summed over the EP
-    group) and DP reads the norm one process reads, every step (fp32, 1e-5)."""
+    group) and DP reads the norm one process reads, every step (fp32: 1e-5 relative; the norms reach ~160 here,
+    where one fp32 step is 1.5e-5)."""
     _, results = session
     got, want = results[0][name]["grad_norms"], single["grad_norms"]
     assert [s for s, _ in got] == [s for s, _ in want] and len(want) == STEPS
-    np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=0, atol=TOL)
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=TOL, atol=0)
 
 
 @pytest.mark.parametrize("name", ["ep2", "dp2"])
