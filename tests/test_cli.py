@@ -41,3 +41,15 @@ def test_overrides_may_follow_options(repo_root):
     assert "n_layers: 3" in r.stdout and "d_model: 64" in r.stdout
     r = nagmoe("config", "--config", "configs/tiny.yaml", "model.n_layers=3", "--bogus", cwd=repo_root)
     assert r.returncode == 2 and "--bogus" in r.stderr
+
+
+def test_building_the_command_line_imports_no_torch():
+    """Every `nagmoe` call builds the whole parser (each command's add_arguments): that must stay light, so
+    `--help`, a bad argument or a one-line refusal never waits for torch (about a second)."""
+    import subprocess
+    import sys
+
+    code = "import sys, nagmoe.cli; nagmoe.cli.build_parser(); print(sorted(m for m in sys.modules if m == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-1000:]
+    assert out.stdout.strip() == "[]"

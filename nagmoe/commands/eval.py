@@ -12,8 +12,7 @@ import json
 import os
 
 from nagmoe.errors import UserError
-from nagmoe.eval.core import DECISIONS
-from nagmoe.eval.task_specs import OFFLINE_TASK, resolve_device, resolve_tasks  # noqa: F401  (their old home)
+from nagmoe.eval.task_specs import DECISIONS, OFFLINE_TASK, resolve_device, resolve_tasks  # noqa: F401  (old home)
 
 
 def add_arguments(p):

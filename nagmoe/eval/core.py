@@ -134,13 +134,10 @@ def _rows_per_forward(vocab_size: int, longest: int) -> int:
     return max(1, LOGIT_BUDGET // max(1, vocab_size * longest))
 
 
-DECISIONS = ("mean", "sum")  # an option's score: its mean token loss (nanochat's CORE) or its summed loss (lm-eval's acc)
-
-
 def score_examples(model, task: Task, encode: Callable[[str], list], bos_id: int, device,
                    max_len: Optional[int] = None, batch_rows: int = 32, decision: str = "mean") -> list[bool]:
     """Whether each example of `task` is answered correctly (examples batched into forwards of ~batch_rows);
-    `decision` (DECISIONS) is how options are compared."""
+    `decision` (nagmoe.eval.task_specs.DECISIONS) is how options are compared."""
     vocab = model.config.vocab_size
     correct: list[bool] = []
     pending: list[tuple[int, list[ScoredRow]]] = []

@@ -1,5 +1,6 @@
-"""Task specs and the device choice of the evaluating commands (`eval`, `analyze`, `report`): below both
-nagmoe/commands/ and nagmoe/analysis/, which each use them."""
+"""Task specs, the option decisions and the device choice of the evaluating commands (`eval`, `analyze`,
+`report`): below both nagmoe/commands/ and nagmoe/analysis/, which each use them. No torch at import: the
+command line imports this while it builds its parser."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ import os
 from nagmoe.errors import UserError
 
 OFFLINE_TASK = "shakespeare"
+DECISIONS = ("mean", "sum")  # an option's score: its mean token loss (nanochat's CORE) or its summed loss (lm-eval's acc)
 
 
 def resolve_tasks(specs: list[str], val_fraction: float, offline_items: int = 200, seed: int = 0) -> list:
