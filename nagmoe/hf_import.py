@@ -37,8 +37,6 @@ def read_export_config(export_dir: str) -> dict:
 
 def import_export(export_dir: str, run_dir: str) -> str:
     """Import (module docstring); returns the checkpoint written."""
-    import torch
-
     from nagmoe.checkpoint.run_dir import CONFIG_FILE
     from nagmoe.checkpoint.torch_layout import save_checkpoint
     from nagmoe.config import config_from_dict
@@ -74,8 +72,7 @@ def import_export(export_dir: str, run_dir: str) -> str:
     outside = [k for k in tensors if not k.startswith(PREFIX)]
     if outside:
         raise UserError(f"{shown(weights)}: tensor {shown(outside[0])} is outside the {PREFIX!r} prefix")
-    torch.manual_seed(0)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, seed=0)  # every tensor is overwritten below; the caller's RNG stays as it was
     state = {k[len(PREFIX):]: v for k, v in tensors.items()}
     expected = model.state_dict()
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))

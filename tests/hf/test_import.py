@@ -114,3 +114,14 @@ def test_a_non_empty_run_dir_is_refused(exported_run, tmp_path, capsys):
     (tmp_path / "run" / "keep").write_text("x")
     assert main(["import-hf", out, "--run-dir", str(tmp_path / "run")]) == 2
     assert os.listdir(tmp_path / "run") == ["keep"]
+
+
+def test_import_leaves_torchs_global_generator_alone(exported_run, tmp_path):
+    """A library call must not reseed the caller's RNG (the weights come from the file, not a draw)."""
+    from nagmoe.hf_import import import_export
+
+    _, out = exported_run
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    import_export(out, str(tmp_path / "run"))
+    assert torch.equal(torch.get_rng_state(), before)
