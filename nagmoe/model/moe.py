@@ -144,7 +144,7 @@ class MoELayer(nn.Module):
         self.gate_scale_output = gate_scale_output
         self.capacity_factor = getattr(cfg, "capacity_factor", None)
         self.lb_granularity = getattr(cfg, "lb_granularity", "micro_batch")
-        self.balance_inputs = None  # global_batch: (P_E with its graph, counts_E, tokens) of the last forward
+        self.balance_inputs = None  # global_batch: (P_E with its graph, counts_E) of the last forward
         self.received_rows: Optional[int] = None  # rows an expert-parallel dispatcher received in the last call
         # loss-free balancing (model.moe.expert_bias): the (E,) selection bias, a buffer only when on (a run dir
         # saved without it must load unchanged); updated by `update_expert_bias` once per optimizer step
@@ -253,7 +253,7 @@ class MoELayer(nn.Module):
         z = router_z_loss(logits_NE)
         if self.lb_granularity == "global_batch":  # f needs every rank's counts: GlobalBalance adds the LB term
             aux_loss = self.z_loss_weight * z
-            self.balance_inputs = (probs_NE.mean(0) if N else probs_NE.sum(0) * 0.0, counts_E.detach(), N)
+            self.balance_inputs = (probs_NE.mean(0) if N else probs_NE.sum(0) * 0.0, counts_E.detach())
         else:
             aux_loss = self.lb_loss_weight * lb + self.z_loss_weight * z
 
@@ -316,14 +316,14 @@ class MoELayer(nn.Module):
 class GlobalBalance:
     """The global-batch balance loss of one optimizer step (model.moe.lb_granularity=global_batch; Qwen, arXiv
     2501.11873): after each micro-step's forward, `loss(layers, reduce_fn)` sums the MoE layers' per-expert counts
-    and routed tokens over every rank (one stacked all-reduce, `reduce_fn`), adds them to the step's running
-    totals and returns Σ_l lb_loss_weight · E · Σ_e f_le · P_le with f = running counts / (running tokens · K) (no
-    gradient) and P the local micro-batch's mean probabilities. A fresh instance per optimizer step; forwards
-    outside the step's micro-steps (eval, guards, recompute) are never passed in."""
+    over every rank (one stacked all-reduce, `reduce_fn`), adds them to the step's running totals and returns
+    Σ_l lb_loss_weight · E · Σ_e f_le · P_le with f = running counts / running slots (no gradient; a layer's slots
+    are its routed tokens · K, every token filling K before any drop) and P the local micro-batch's mean
+    probabilities. A fresh instance per optimizer step; forwards outside the step's micro-steps (eval, guards,
+    recompute) are never passed in."""
 
     def __init__(self):
         self.counts_LE: Optional[torch.Tensor] = None
-        self.tokens_L: Optional[torch.Tensor] = None
         self.last_f_LE: Optional[torch.Tensor] = None  # f of the last call (tests read it)
 
     def loss(self, layers: list, reduce_fn=None) -> Optional[torch.Tensor]:
@@ -332,21 +332,13 @@ class GlobalBalance:
             return None
         P_LE = torch.stack([layer.balance_inputs[0].float() for layer in layers])
         counts_LE = torch.stack([layer.balance_inputs[1].to(torch.float64) for layer in layers])
-        tokens_L = torch.tensor([float(layer.balance_inputs[2]) for layer in layers], dtype=torch.float64,
-                                device=counts_LE.device)
-        packed = torch.cat([counts_LE.flatten(), tokens_L])
         if reduce_fn is not None:  # all-reduce SUM over every rank, in place or returning the sum
-            reduced = reduce_fn(packed)
-            packed = packed if reduced is None else reduced
-        L, E = counts_LE.shape
-        counts_LE, tokens_L = packed[:L * E].view(L, E), packed[L * E:]
+            reduced = reduce_fn(counts_LE)
+            counts_LE = counts_LE if reduced is None else reduced
         self.counts_LE = counts_LE if self.counts_LE is None else self.counts_LE + counts_LE
-        self.tokens_L = tokens_L if self.tokens_L is None else self.tokens_L + tokens_L
-        top_k = torch.tensor([layer.top_k for layer in layers], dtype=torch.float64, device=counts_LE.device)
-        f_LE = self.counts_LE / (self.tokens_L * top_k).clamp_min(1).unsqueeze(1)
+        f_LE = self.counts_LE / self.counts_LE.sum(1, keepdim=True).clamp_min(1)
         self.last_f_LE = f_LE
-        weights_L = torch.tensor([layer.lb_loss_weight for layer in layers], dtype=torch.float32,
-                                 device=P_LE.device)
         for layer in layers:
             layer.balance_inputs = None  # consumed: a later forward outside the step cannot be counted
-        return (weights_L * E * (f_LE.to(P_LE.dtype) * P_LE).sum(1)).sum()
+        lb_L = counts_LE.shape[1] * (f_LE.to(P_LE.dtype) * P_LE).sum(1)
+        return sum(layer.lb_loss_weight * lb for layer, lb in zip(layers, lb_L))

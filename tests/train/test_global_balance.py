@@ -33,7 +33,7 @@ def test_the_running_count_over_four_micro_steps(micro_config, monkeypatch):
 
     def recording(self, layers, reduce_fn=None):
         counts = [layer.balance_inputs[1].double().clone() for layer in layers]
-        tokens = [layer.balance_inputs[2] for layer in layers]
+        tokens = [int(layer.last_stats["router_tokens"]) for layer in layers]  # this micro-step's routed tokens
         out = original(self, layers, reduce_fn)
         seen.append((counts, tokens, self.last_f_LE.clone()))
         return out
