@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from nagmoe.errors import UserError, shown
-from nagmoe.safe_files import make_temp_dir, write_atomic
+from nagmoe.safe_files import atomic_writer, make_temp_dir, write_atomic
 
 HF_FILES = ("configuration_nagmoe.py", "modeling_nagmoe.py", "layers_nagmoe.py", "nag_math.py")
 HF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf")
@@ -256,7 +256,6 @@ def run_check(export_dir: str, ids_BT: torch.Tensor, workdir: str) -> dict:
     """The check script (nagmoe/hf_check.py) in a fresh process: nagmoe blocked, hub offline, its own module
     cache; returns what it computed."""
     from nagmoe.hf_check import parse_result
-    from nagmoe.safe_files import atomic_writer
 
     rows = os.path.join(workdir, "rows.pt")
     with atomic_writer(rows, binary=True) as f:

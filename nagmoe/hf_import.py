@@ -12,7 +12,6 @@ import os
 
 from nagmoe.errors import UserError, shown
 
-PREFIX = "model."
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -41,6 +40,7 @@ def import_export(export_dir: str, run_dir: str) -> str:
     from nagmoe.checkpoint.torch_layout import save_checkpoint
     from nagmoe.config import config_from_dict
     from nagmoe.data.tokenizer import bos_id, check_vocab, read_tokenizer_bytes, tokenizer_from_bytes
+    from nagmoe.hf_export import PREFIX
     from nagmoe.model import build_model
     from nagmoe.safe_files import write_atomic
     from nagmoe.schema import dump_yaml

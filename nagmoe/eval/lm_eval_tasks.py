@@ -6,7 +6,7 @@ task in a directory for lm-eval's `--include_path`, offline (`dataset_path: json
                           target = the shared continuation
     language_modeling  -> output_type loglikelihood: text = context, target = continuation; `acc` = is_greedy
 
-Few-shot examples are drawn by nagmoe's rule (tasks.fewshot_examples) and baked into each document's text, so the
+Few-shot examples are drawn by nagmoe's rule (tasks.fewshot_prefix) and baked into each document's text, so the
 lm-eval task has `num_fewshot: 0` and both harnesses see the same prompts. The texts equal nagmoe's rendering:
 context + continuation_delimiter + continuation. lm-eval's multiple-choice `acc` compares summed
 log-probabilities: `nagmoe eval --decision sum` is the same decision.
@@ -19,7 +19,7 @@ import re
 
 import yaml
 
-from nagmoe.eval.tasks import LANGUAGE_MODELING, MULTIPLE_CHOICE, SCHEMA, Task, fewshot_examples, _shot_text
+from nagmoe.eval.tasks import LANGUAGE_MODELING, MULTIPLE_CHOICE, SCHEMA, Task, fewshot_prefix
 from nagmoe.safe_files import write_atomic
 
 PREFIX = "nagmoe_"
@@ -29,15 +29,10 @@ def task_name(label: str) -> str:
     return PREFIX + (re.sub(r"[^A-Za-z0-9_]+", "_", label).strip("_") or "task")[:80]
 
 
-def _prefix(task: Task, index: int) -> str:
-    delim = task.continuation_delimiter
-    return "".join(_shot_text(task.task_type, s, delim) + "\n\n" for s in fewshot_examples(task, index))
-
-
 def documents(task: Task) -> list[dict]:
     docs = []
     for i, ex in enumerate(task.examples):
-        prefix = _prefix(task, i)
+        prefix = fewshot_prefix(task, i)
         if task.task_type == MULTIPLE_CHOICE:
             docs.append({"query": prefix + ex["query"], "choices": list(ex["choices"]), "gold": int(ex["gold"])})
         elif task.task_type == SCHEMA:

@@ -283,11 +283,17 @@ def _shot_text(task_type: str, ex: dict, delim: str) -> str:
     return ex["context"].strip() + delim + ex["continuation"]
 
 
+def fewshot_prefix(task: Task, index: int) -> str:
+    """The few-shot examples of example `index`, each rendered as its gold prompt and followed by a blank line."""
+    delim = task.continuation_delimiter
+    return "".join(_shot_text(task.task_type, s, delim) + "\n\n" for s in fewshot_examples(task, index))
+
+
 def render_prompts(task: Task, index: int) -> list[str]:
     """The full texts whose continuation losses decide example `index`:
     multiple choice / schema: one text per option; language modelling: [without, with] the continuation."""
     ex, delim = task.examples[index], task.continuation_delimiter
-    prefix = "".join(_shot_text(task.task_type, s, delim) + "\n\n" for s in fewshot_examples(task, index))
+    prefix = fewshot_prefix(task, index)
     if task.task_type == MULTIPLE_CHOICE:
         return [prefix + ex["query"] + delim + choice for choice in ex["choices"]]
     if task.task_type == SCHEMA:

@@ -17,12 +17,12 @@ one tensor to all-reduce over ranks; `report(ep)` reads them once and returns, p
   load               the slots per expert as fractions of the layer's slots (L x E: the report's heatmap)
   dropped_frac       routing slots dropped by model.moe.capacity_factor / all slots (0 when dropless)
 With the loss-free expert bias (model.moe.expert_bias) also:
+  rerouted_frac      the share of chosen (token, expert) slots that are not in the unbiased top-k (0 when b = 0)
+  bias_range, bias_std   of each layer's bias b at the report (b is replicated: every rank's is the same)
+Across layers: `max_over_mean_p50`, `_p90`, `_max` (nearest-rank percentiles of the per-layer max_over_mean).
 Under expert parallelism (what sets EP step time): `receive_peak_rows`, the most rows one rank received in one
 layer's all-to-all in one micro-step, and `receive_peak_over_mean`, the largest such busiest-rank / mean-rank
 ratio (over layers, micro-steps and the interval's steps; activation-checkpoint recompute is never added).
-Across layers: `max_over_mean_p50`, `_p90`, `_max` (nearest-rank percentiles of the per-layer max_over_mean).
-  rerouted_frac      the share of chosen (token, expert) slots that are not in the unbiased top-k (0 when b = 0)
-  bias_range, bias_std   of each layer's bias b at the report (b is replicated: every rank's is the same)
 """
 from __future__ import annotations
 
