@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import hf_variants as V
-from nagmoe.hf_export import CHECK_SCRIPT, HF_DIR, HF_FILES, native_outputs, compare
+from nagmoe.hf_export import CHECK_SCRIPT, HF_DIR, HF_FILES, compare, native_outputs, run_check
 
 ALLOWED_ROOTS = {"torch", "transformers"}
 
@@ -53,19 +52,6 @@ def test_nag_math_is_nagmoes_byte_for_byte(repo_root):
         assert a.read() == b.read()
 
 
-def run_check_script(export_dir, ids, work):
-    """hf_check.py as the export runs it: nagmoe blocked, offline, its own module cache; (process, result)."""
-    from nagmoe.hf_check import parse_result
-
-    rows = os.path.join(work, "rows.pt")
-    torch.save({"ids": ids}, rows)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": os.path.join(work, "modules")}
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run([sys.executable, CHECK_SCRIPT, export_dir, rows], env=env, cwd=work,
-                          capture_output=True, text=True, timeout=300)
-    return proc, parse_result(proc.stdout)
-
-
 def test_an_in_process_export_of_a_second_variant_loads_without_nagmoe(native_of, tmp_path):
     """The CLI's export (exported_run) is the first variant; this is pre-norm + MHA + dense."""
     cfg, model = native_of("prenorm-mha-dense")
@@ -81,9 +67,7 @@ def test_an_in_process_export_of_a_second_variant_loads_without_nagmoe(native_of
 
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), bos_token="<s>").save_pretrained(out)
     ids = V.test_batch()
-    proc, result = run_check_script(str(out), ids, str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got = result
+    got = run_check(str(out), ids, str(tmp_path))  # the export's own check: raises unless it loaded and ran
     assert all(v == [] for v in got["loading_info"].values())
     assert compare(native_outputs(model, ids), got, "float32") == []
 
@@ -99,6 +83,5 @@ def test_the_blocked_process_really_cannot_import_nagmoe(tmp_path):
 def test_the_cli_export_ran_its_check_without_nagmoe(exported_run, tmp_path):
     run_dir, out = exported_run
     ids = V.test_batch(rows=2)
-    proc, result = run_check_script(out, ids % 512, str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = run_check(out, ids % 512, str(tmp_path))
     assert result["logits"].shape == (2, V.SEQ, 512)
