@@ -8,7 +8,9 @@ One 2-rank session (module fixture) runs every distributed scenario; the tests b
     same 2-rank checkpoint resumes in one process (another world size) on the same trajectory (1e-5);
   * ranks whose executed fractions (MoD, injected by a hook) differ price every step alike and stop at the
     same step under a FLOP budget;
-  * the consolidated single-file checkpoint gives the logits and the generated text of the sharded model.
+  * the consolidated single-file checkpoint gives the logits and the generated text of the sharded model;
+  * with the loss-free expert bias on (issue 43), 3 steps of EP=2 and of DP=2: every step's grad_norm equals the
+    single process's (1e-5) and b after every step is bitwise equal on both ranks and to the single process's.
 """
 import os
 import shutil
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from bias_runs import BIAS_ON, train_recording
 from gloo_ranks import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -139,6 +142,9 @@ def two_rank_session(overrides, tmp):
                      "losses": step_losses(run_dir) if rank == 0 else None,
                      "grad_norms": step_grad_norms(run_dir) if rank == 0 else None,
                      "expert_names": trainer.expert_names}
+    # the expert bias on, 3 steps (issue 43)
+    for name, extra in (("ep2_bias", ["parallel.ep=2"]), ("dp2_bias", ["parallel.ep=1"])):
+        out[name] = train_recording([*overrides, *extra, *BIAS_ON, "train.max_steps=3"], os.path.join(tmp, name))
     # save at step 3, resume to 5 (EP=2); keep a copy of the step-3 run dir for a 1-process resume
     run_dir = os.path.join(tmp, "resumed")
     make_trainer([*overrides, "parallel.ep=2", "train.max_steps=3"], run_dir).run()
@@ -207,6 +213,11 @@ def single(overrides, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def single_bias(overrides, tmp_path_factory):
+    return train_recording([*overrides, *BIAS_ON, "train.max_steps=3"], str(tmp_path_factory.mktemp("single_bias")))
+
+
+@pytest.fixture(scope="module")
 def session(overrides, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("two_ranks"))
     results = run_on_ranks(two_rank_session, 2, overrides, tmp, timeout=240)
@@ -239,6 +250,17 @@ def test_the_global_grad_norm_equals_single_process(session, single, name):
     got, want = results[0][name]["grad_norms"], single["grad_norms"]
     assert [s for s, _ in got] == [s for s, _ in want] and len(want) == STEPS
     np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=TOL, atol=0)
+
+
+@pytest.mark.parametrize("name", ["ep2_bias", "dp2_bias"])
+def test_with_the_expert_bias_grad_norm_and_b_equal_single_process(session, single_bias, name):
+    """Issue 43: b moves once per step from the global batch's counts, the same on every rank and layout."""
+    _, results = session
+    got, want = results[0][name], single_bias
+    assert [s for s, _ in got["grad_norms"]] == [1, 2, 3]
+    np.testing.assert_allclose([v for _, v in got["grad_norms"]], [v for _, v in want["grad_norms"]], rtol=TOL, atol=0)
+    assert results[1][name]["biases"] == got["biases"] == want["biases"]  # bitwise
+    assert max(abs(v) for row in want["biases"][0] for v in row) > 0  # the bias moved (the check can fail)
 
 
 @pytest.mark.parametrize("name", ["ep2", "dp2"])
