@@ -7,7 +7,11 @@ One 2-rank session (module fixture) runs every scenario; the tests check its res
     torch engine's losses, gradient norms, full gradients before clipping and final parameters (fp32, 1e-5),
     under ZeRO-1 and ZeRO-2, and so does DP=2 (EP=1, experts inside ZeRO) under ZeRO-2; clipping is active
     (the norms exceed train.grad_clip);
-  * 2 steps, a DeepSpeed checkpoint, a resume to 3 steps: the trajectory of the straight 3-step run, bitwise;
+  * with the loss-free expert bias on (issue 43), ZeRO-2 at EP=2: every step's grad_norm equals one process's
+    (1e-5), and b after the run is bitwise equal on both ranks and to it; with the global-batch balance loss
+    too, ZeRO-2 equals the torch engine at EP=2 as above, b included;
+  * 2 steps, a DeepSpeed checkpoint (bias and global balance on), a resume to 3 steps: the trajectory of the
+    straight 3-step run, bitwise, b included;
     the run dir keeps its contract (metrics once per step, summary.json, run_info.json, verified checkpoints);
   * the whole model read back from a DeepSpeed checkpoint in one process (no unpickling) gives the logits of
     the trained 2-rank EP model; eval, generate, analyze and consolidate give the same outputs on the ZeRO-1
@@ -44,6 +48,10 @@ BASE = ("train.micro_batch_tokens=64", f"train.max_steps={STEPS}", "train.eval_t
         # compared at 1e-5 directly, the parameters at 10x smaller LRs than the defaults
         "train.lr_embed=0.02", "train.lr_matrix=0.002")
 DS = ("parallel.engine=deepspeed",)
+BIAS = ("model.moe.expert_bias=true", "model.moe.bias_update_rate=0.01")
+# the global-batch balance loss's running count depends on the layout at accum > 1 (micro-step m covers the rows
+# of every rank's first m micro-steps), so it is compared with the torch engine at the same layout
+BALANCING = (*BIAS, "model.moe.lb_granularity=global_batch")
 
 
 def load(overrides):
@@ -58,6 +66,13 @@ def params_of(model):
 
 def probe_idx():
     return torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(7))
+
+
+def bias_of(model):
+    from nagmoe.model.router_health import expert_biases
+
+    b = expert_biases(model)
+    return None if b is None else b.tolist()
 
 
 def step_losses(run_dir):
@@ -135,7 +150,7 @@ def train_recording(overrides, run_dir):
     with torch.no_grad():  # collective under EP: every rank runs it
         logits = trainer.model(probe_idx()).logits.numpy()
     return {"grads": grads, "params": params_of(trainer.model), "expert_names": trainer.expert_names,
-            "logits": logits}
+            "logits": logits, "bias": bias_of(trainer.model)}
 
 
 def resume(overrides, run_dir):
@@ -149,7 +164,7 @@ def resume(overrides, run_dir):
     trainer = Trainer(load(overrides), run_dir, quiet=True)
     start = trainer.progress.step
     trainer.run()
-    return {"start": start, "params": params_of(trainer.model)}
+    return {"start": start, "params": params_of(trainer.model), "bias": bias_of(trainer.model)}
 
 
 def two_rank_session(overrides, tmp):
@@ -160,13 +175,15 @@ def two_rank_session(overrides, tmp):
     # every run uses train.optimizer=adamw (BASE): the torch engine then runs the DeepSpeed engine's optimizer
     runs = {"torch": [], "zero1": [*DS, "parallel.zero_stage=1"], "zero2": [*DS, "parallel.zero_stage=2"],
             # data parallel only: the experts are replicated, so ZeRO manages them with the rest
-            "torch_dp": ["parallel.ep=1"], "zero2_dp": [*DS, "parallel.zero_stage=2", "parallel.ep=1"]}
+            "torch_dp": ["parallel.ep=1"], "zero2_dp": [*DS, "parallel.zero_stage=2", "parallel.ep=1"],
+            "zero2_bias": [*DS, "parallel.zero_stage=2", *BIAS],
+            "torch_balancing": [*BALANCING], "zero2_balancing": [*DS, "parallel.zero_stage=2", *BALANCING]}
     for name, extra in runs.items():
         run_dir = os.path.join(tmp, name)
         out[name] = train_recording([*overrides, *extra], run_dir)
         out[name]["losses"] = step_losses(run_dir) if rank == 0 else None
     run_dir = os.path.join(tmp, "resumed")
-    out["resumed"] = resume([*overrides, *DS, "parallel.zero_stage=2"], run_dir)
+    out["resumed"] = resume([*overrides, *DS, "parallel.zero_stage=2", *BALANCING], run_dir)
     out["resumed"]["losses"] = step_losses(run_dir) if rank == 0 else None
     return out
 
@@ -177,6 +194,14 @@ def two_rank_session(overrides, tmp):
 @pytest.fixture(scope="module")
 def overrides(micro_overrides):
     return [*micro_overrides, *BASE]
+
+
+@pytest.fixture(scope="module")
+def single_bias(overrides, tmp_path_factory):
+    """One process, the torch engine, the same global batch (4 micro-steps): the reference of zero2_bias."""
+    run_dir = str(tmp_path_factory.mktemp("single_bias"))
+    result = train_recording([*overrides, "parallel.ep=1", *BIAS], run_dir)
+    return {"losses": step_losses(run_dir), "bias": result["bias"]}
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +234,8 @@ def test_experts_survive_deepspeed_initialize(session):
 
 
 @requires_deepspeed
-@pytest.mark.parametrize("name,reference", [("zero1", "torch"), ("zero2", "torch"), ("zero2_dp", "torch_dp")])
+@pytest.mark.parametrize("name,reference", [("zero1", "torch"), ("zero2", "torch"), ("zero2_dp", "torch_dp"),
+                                            ("zero2_balancing", "torch_balancing")])
 def test_deepspeed_engine_equals_torch_engine(session, name, reference):
     _, results = session
     want, got = results[0][reference]["losses"], results[0][name]["losses"]
@@ -219,6 +245,7 @@ def test_deepspeed_engine_equals_torch_engine(session, name, reference):
     assert max(g for _, _, g in want) > 1.0  # train.grad_clip=1 clips, so the global norm matters
     for rank in (0, 1):
         torch_run, ds_run = results[rank][reference], results[rank][name]
+        assert ds_run["bias"] == torch_run["bias"] == results[0][reference]["bias"]  # None without the bias
         assert ds_run["expert_names"] == torch_run["expert_names"]
         assert len(ds_run["grads"]) == len(torch_run["grads"]) == STEPS
         for step, (g_ds, g_torch) in enumerate(zip(ds_run["grads"], torch_run["grads"]), 1):
@@ -230,14 +257,28 @@ def test_deepspeed_engine_equals_torch_engine(session, name, reference):
 
 
 @requires_deepspeed
+def test_deepspeed_with_the_bias_equals_one_process(session, single_bias):
+    """Issue 43: the global clip norm under ZeRO-2 + EP=2 (ZeRO's norm plus the experts') is one process's; the
+    bias moves once per step from the global counts, the same on both ranks and in one process."""
+    _, results = session
+    got, want = results[0]["zero2_bias"]["losses"], single_bias["losses"]
+    assert [s for s, _, _ in got] == [s for s, _, _ in want] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([g for _, _, g in got], [g for _, _, g in want], rtol=TOL, atol=0)
+    np.testing.assert_allclose([v for _, v, _ in got], [v for _, v, _ in want], rtol=0, atol=TOL)
+    assert results[0]["zero2_bias"]["bias"] == results[1]["zero2_bias"]["bias"] == single_bias["bias"]
+    assert max(abs(v) for row in single_bias["bias"] for v in row) > 0
+
+
+@requires_deepspeed
 def test_deepspeed_resume_continues_the_exact_trajectory(session):
     tmp, results = session
-    resumed, straight = results[0]["resumed"], results[0]["zero2"]
+    resumed, straight = results[0]["resumed"], results[0]["zero2_balancing"]
     assert resumed["start"] == 2
     assert resumed["losses"] == straight["losses"]  # bitwise, each step once (metrics truncated on resume)
     for rank in (0, 1):
-        for n, v in results[rank]["zero2"]["params"].items():
+        for n, v in results[rank]["zero2_balancing"]["params"].items():
             np.testing.assert_array_equal(results[rank]["resumed"]["params"][n], v, err_msg=f"rank {rank} {n}")
+        assert results[rank]["resumed"]["bias"] == results[rank]["zero2_balancing"]["bias"] is not None
     # the run-dir contract
     run_dir = os.path.join(tmp, "resumed")
     with open(os.path.join(run_dir, "summary.json")) as f:
