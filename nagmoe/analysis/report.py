@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 from nagmoe.analysis import figures as fig
 from nagmoe.analysis.references import THEIRS
+from nagmoe.analysis.report_balance import HEADERS, NOTE as BALANCE_NOTE, balance_rows
 from nagmoe.analysis.report_data import (FINAL_LOSS_WINDOW, accuracy_noise, find_pairs, group_records, mean_sd,
                                          measure_checkpoint, noise_statement, problem_text, read_run, unique_labels)
 from nagmoe.errors import one_line
@@ -228,7 +229,8 @@ def depth_section(groups, colours, fig_dir) -> tuple:
              fig.confidence_panels(conf, colours, os.path.join(fig_dir, "confidence.png")),
              fig.router_load_heatmaps(loads, os.path.join(fig_dir, "router_load.png")))
     if not rows:
-        return para("No analysed checkpoint (none found, or --analysis-tokens 0): no depth figures.", "note"), paths
+        return "\n".join([para("No analysed checkpoint (none found, or --analysis-tokens 0): no depth figures.",
+                                "note"), *balance_tables(groups)]), paths
     html_ = [table(["run (analysed seed)", "residual", "norm growth (last/first)", "cumulative rotation (rad)",
                     "mean attention on BOS", "layers > 50% on BOS", "dead NAG sublayers", "Spearman(final norm, loss)",
                     "windows"], rows),
@@ -243,8 +245,17 @@ def depth_section(groups, colours, fig_dir) -> tuple:
              para("Fraction of the routing slots each expert of each MoE layer received on the analysed "
                   "validation tokens (nagmoe analyze, section router: also entropy, max/mean, CV, dead experts).",
                   "note")]
+    html_ += balance_tables(groups)
     html_ += milestone_tables(groups)
     return "\n".join(html_), paths
+
+
+def balance_tables(groups) -> list:
+    """Expert balance during training, from each run's metrics (nagmoe/analysis/report_balance.py)."""
+    rows = balance_rows(groups)
+    if not rows:
+        return []
+    return ["<h3>Expert balance during training</h3>", table(HEADERS, rows), para(BALANCE_NOTE, "note")]
 
 
 def milestone_tables(groups) -> list:

@@ -171,15 +171,18 @@ class MoELayer(nn.Module):
             self.expert_bias.zero_()
 
     @torch.no_grad()
-    def update_expert_bias(self, counts_E: torch.Tensor) -> None:
+    def update_expert_bias(self, counts_E: torch.Tensor) -> Optional[torch.Tensor]:
         """b <- b + rate·sign(mean(c) - c), then b - mean(b) (top-k ignores a constant): in place, so the buffer a
         checkpoint saves is the one the forward reads. `counts_E`: the optimizer step's routing slots per expert
-        over the global batch (pre-drop choices). No-op without the bias or at rate 0 (b frozen, still applied)."""
+        over the global batch (pre-drop choices). Returns the (E,) signs applied (the flip statistic reads
+        them); None, and no change, without the bias or at rate 0 (b frozen, still applied)."""
         if self.expert_bias is None or self.bias_update_rate == 0.0:
-            return
+            return None
         c_E = counts_E.to(device=self.expert_bias.device, dtype=torch.float32)
-        self.expert_bias.add_(self.bias_update_rate * torch.sign(c_E.mean() - c_E))
+        sign_E = torch.sign(c_E.mean() - c_E)
+        self.expert_bias.add_(self.bias_update_rate * sign_E)
         self.expert_bias.sub_(self.expert_bias.mean())
+        return sign_E
 
     def init_weights(self, init: ParamInit) -> None:
         """Router and w_in uniform with std init_std (bound sqrt(3)·std), like a linear layer reading a unit-RMS

@@ -19,6 +19,9 @@ one tensor to all-reduce over ranks; `report(ep)` reads them once and returns, p
 With the loss-free expert bias (model.moe.expert_bias) also:
   rerouted_frac      the share of chosen (token, expert) slots that are not in the unbiased top-k (0 when b = 0)
   bias_range, bias_std   of each layer's bias b at the report (b is replicated: every rank's is the same)
+  bias_flip_share    the share of the layer's experts whose update sign sign(mean(c) - c) differs from the
+                     previous step's, over the interval's updates (~0 while b travels, ~1 when it oscillates
+                     about its balance point; absent before a second update)
 Across layers: `max_over_mean_p50`, `_p90`, `_max` (nearest-rank percentiles of the per-layer max_over_mean).
 Under expert parallelism (what sets EP step time): `receive_peak_rows`, the most rows one rank received in one
 layer's all-to-all in one micro-step, and `receive_peak_over_mean`, the largest such busiest-rank / mean-rank
@@ -49,6 +52,9 @@ class RouterTelemetry:
         self.world = 1
         self.peak_rows: Optional[torch.Tensor] = None
         self.peak_ratio: Optional[torch.Tensor] = None
+        # the expert bias's sign flips between consecutive updates, per layer, and the updates compared
+        self.flips_L: Optional[torch.Tensor] = None
+        self.flip_updates = 0
 
     @property
     def empty(self) -> bool:
@@ -119,15 +125,24 @@ class RouterTelemetry:
             if theirs is not None:
                 setattr(self, name, theirs if mine is None else torch.maximum(mine, theirs))
 
+    def note_bias_signs(self, signs_LE: torch.Tensor, previous_LE: torch.Tensor) -> None:
+        """Count the experts whose bias update changed sign since the previous update (device ops only)."""
+        flips_L = (signs_LE != previous_LE.to(signs_LE.device)).sum(1).double()
+        self.flips_L = flips_L if self.flips_L is None else self.flips_L + flips_L
+        self.flip_updates += 1
+
     def report(self, ep: int = 1, bias_LE: Optional[torch.Tensor] = None) -> Optional[dict]:
         """Per-layer lists (module docstring); one host read (the biases `bias_LE`, when given, ride along).
         None when nothing was added."""
         if self.counts_LE is None:
             return None
         L, E = self.counts_LE.shape
-        both = self.counts_LE.double() if bias_LE is None else torch.cat([self.counts_LE.double(),
-                                                                           bias_LE.to(self.counts_LE.device).double()])
-        both = both.cpu()
+        parts = [self.counts_LE.double()]
+        if bias_LE is not None:
+            parts.append(bias_LE.to(self.counts_LE.device).double())
+            if self.flips_L is not None:
+                parts.append(self.flips_L.to(self.counts_LE.device).view(L, 1).expand(L, E))
+        both = torch.cat(parts).cpu()
         counts = both[:L]
         mean = counts.mean(1).clamp_min(1e-12)
         out = {
@@ -147,7 +162,9 @@ class RouterTelemetry:
             peaks = torch.stack([self.peak_rows.double(), self.peak_ratio.double()]).cpu().tolist()
             out["receive_peak_rows"], out["receive_peak_over_mean"] = peaks
         if bias_LE is not None:
-            bias = both[L:]
+            bias = both[L:2 * L]
+            if self.flips_L is not None:
+                out["bias_flip_share"] = (both[2 * L:, 0] / (self.flip_updates * E)).tolist()
             out["rerouted_frac"] = (self.rerouted_L.double().cpu() / counts.sum(1).clamp_min(1e-12)).tolist()
             out["bias_range"] = (bias.max(1).values - bias.min(1).values).tolist()
             out["bias_std"] = bias.std(1, unbiased=False).tolist()
@@ -161,3 +178,22 @@ def expert_biases(model) -> Optional[torch.Tensor]:
     """(L, E) the MoE layers' expert biases (model.moe.expert_bias), or None when the model has none."""
     biases = [layer.expert_bias for layer in moe_layers(model) if getattr(layer, "expert_bias", None) is not None]
     return torch.stack(biases) if biases else None
+
+
+def saved_bias_signs(state: dict, model, where: str) -> Optional[torch.Tensor]:
+    """The last bias update's (L, E) signs from a checkpoint's extra state (`expert_bias_signs`, written by the
+    trainer so a resumed run's flip share continues the straight run's), checked against `model`'s biases: None
+    when absent (a checkpoint from before the statistic: the first update after it compares nothing) or when
+    the model has no bias. Anything but an L x E table of -1/0/1 is a one-line UserError naming `where`."""
+    from nagmoe.errors import UserError, shown
+
+    value, bias_LE = state.get("expert_bias_signs"), expert_biases(model)
+    if value is None or bias_LE is None:
+        return None
+    L, E = bias_LE.shape
+    if not (isinstance(value, list) and len(value) == L and all(
+            isinstance(row, list) and len(row) == E and all(type(v) is int and v in (-1, 0, 1) for v in row)
+            for row in value)):
+        raise UserError(f"{shown(where)}: extra state 'expert_bias_signs' must be {L} rows of {E} values in "
+                        f"-1, 0, 1 (the model's MoE layers and experts), got {shown(value, 80)}")
+    return torch.tensor(value, dtype=torch.float32, device=bias_LE.device)

@@ -186,17 +186,18 @@ class Transformer(nn.Module):
                             "base vectors or score histograms")
         mod.set_skip_rate(rate, level)
 
-    def update_expert_bias(self, counts_LE: torch.Tensor) -> None:
+    def update_expert_bias(self, counts_LE: torch.Tensor) -> Optional[torch.Tensor]:
         """Loss-free balancing (model.moe.expert_bias): each MoE layer's bias from the optimizer step's routing
         slots per expert over the global batch (`counts_LE`, MoE layers in depth order, as the trainer's router
-        telemetry sums them). The trainer calls it once per taken step; nothing else does."""
+        telemetry sums them). The trainer calls it once per taken step; nothing else does. Returns the (L, E)
+        signs applied, or None when no bias moved (off, or rate 0)."""
         from nagmoe.model.router_health import moe_layers
 
         layers = moe_layers(self)
         if counts_LE.shape[0] != len(layers):
             raise ValueError(f"update_expert_bias: {counts_LE.shape[0]} rows of counts for {len(layers)} MoE layers")
-        for layer, counts_E in zip(layers, counts_LE):
-            layer.update_expert_bias(counts_E)
+        signs = [layer.update_expert_bias(counts_E) for layer, counts_E in zip(layers, counts_LE)]
+        return torch.stack(signs) if signs and all(s is not None for s in signs) else None
 
     def new_cache(self, max_len: Optional[int] = None) -> InferenceCache:
         """An empty decoding state for up to `max_len` positions (default model.max_seq_len)."""

@@ -41,7 +41,7 @@ from nagmoe.parallel.mesh import ParallelMesh
 from nagmoe.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from nagmoe.checkpoint.lease import RunDirLease, fence_on_all_ranks
 from nagmoe.model.moe import GlobalBalance
-from nagmoe.model.router_health import RouterTelemetry, expert_biases, moe_layers
+from nagmoe.model.router_health import RouterTelemetry, expert_biases, moe_layers, saved_bias_signs
 from nagmoe.train.mod_accounting import ModAccount
 from nagmoe.job_environment import describe_environment
 from nagmoe.settings import check_start_settings
@@ -153,6 +153,7 @@ class Trainer:
         self._router_interval = RouterTelemetry()  # routing since the last logged report
         self._step_router = RouterTelemetry()  # the last optimizer step's routing (train_step refills it)
         self._step_counts = None  # the last step's global routing counts (model.moe.expert_bias reads them)
+        self._bias_signs = None  # the last bias update's (L, E) signs (the flip share; checkpoint extra state)
         self.lease = None
         mesh.on_rank0(lambda: self._take_lease(take_over))
         try:
@@ -224,6 +225,7 @@ class Trainer:
                                               verified=True, rng_seed=t.seed))
                 self._log(f"loaded {latest} in {time.perf_counter() - started:.1f} s")
                 self.progress = Progress(**state["progress"])
+                self._bias_signs = saved_bias_signs(state, self.model, latest)
                 self.loader.load_state_dict(state["loader"])
                 self._log(f"resumed from {latest} at step {self.progress.step}")
             calibrator = self.model.mod_calibrator()
@@ -449,7 +451,10 @@ class Trainer:
                 self.optim.step()
             self.optim.zero_grad(set_to_none=True)
         if not skipped and self._step_counts is not None and m.ffn == "moe" and m.moe.expert_bias:
-            self.model.update_expert_bias(self._step_counts)  # once per taken step, from the global batch
+            signs = self.model.update_expert_bias(self._step_counts)  # once per taken step, from the global batch
+            if signs is not None and self._bias_signs is not None:
+                self._router_interval.note_bias_signs(signs, self._bias_signs)
+            self._bias_signs = signs if signs is not None else self._bias_signs
         # MoD: this step's scores set the next step's thresholds; its realised fractions price this step
         self.mod_executed = self.model.mod_update(self._sum_over_ranks if self.mesh.distributed else None)
         p.flops += self.step_flops()
@@ -547,7 +552,9 @@ class Trainer:
         step, a preemption): then it raises that line as a UserError (exit 2)."""
         schedule, step = self.checkpoint_schedule(), self.progress.step
         state = {"step": step, "progress": self.progress.as_dict(), "loader": self.loader.state_dict(),
-                 **({"milestone": True} if milestone else {})}
+                 **({"milestone": True} if milestone else {}),
+                 **({"expert_bias_signs": self._bias_signs.to(torch.int8).tolist()}
+                    if self._bias_signs is not None else {})}
         refusal = schedule.disk_refusal()
         if refusal is not None:
             schedule.failed(step, refusal, fatal)

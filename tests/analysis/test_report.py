@@ -105,6 +105,9 @@ def test_three_run_experiment_renders_every_section_and_figure(experiment):
     assert "nag-mod20" in mod and "paper (theirs)" in mod and "60.9B vs 50B" in mod
     assert data["groups"]["nag-mod20"]["skip_rate"][0] > 0.05
     assert "inference skip rate" in section(html, "dial")
+    # expert balance during training (issue 43): a row per run from its metrics' router telemetry
+    balance = html.split("Expert balance during training")[1].split("</table>")[0]
+    assert balance.count("<tr>") == 1 + 6 and "nag-mod20 (nag-mod20-s1)" in balance
     refs = section(html, "references")
     assert refs.count('class="theirs"') == 10 and "0.7503 vs 0.7589" in refs and "Figliolia" in refs
     assert "no matching pair" not in refs.split("NAG speed")[0]  # our side is filled for every measure above
@@ -188,7 +191,9 @@ def test_unusable_run_dirs_get_a_clear_message_and_the_others_render(experiment,
     assert str(no_train) in problems and str(missing) in problems
     results = section(html, "results")
     assert ">nag<" in results and ">nockpt<" in results and "fresh" not in results  # groups of the usable dirs
-    assert "nockpt-s0" not in section(html, "depth")  # no checkpoint: no analysis, but curves and numbers
+    analysed, balance = section(html, "depth").split("Expert balance during training")
+    assert "nockpt-s0" not in analysed  # no checkpoint: no analysis, but curves and numbers ...
+    assert "nockpt (nockpt-s0)" in balance  # ... its metrics' router telemetry among them
     # nothing usable at all: a one-line error, exit 2, the page still written
     bad = nagmoe("report", no_train, missing, "--out", tmp_path / "none", check=False)
     assert bad.returncode == 2 and "no usable run dir among 2 given" in bad.stderr.splitlines()[-1]

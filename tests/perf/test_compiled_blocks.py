@@ -149,3 +149,39 @@ def test_sdpa_backend_label():
     assert sdpa_backends("cpu") == "math/cpu-flash"
     if torch.cuda.is_available():
         assert set(sdpa_backends("cuda").split("/")) <= {"flash", "efficient", "cudnn", "math"}
+
+
+def test_compiled_sublayers_see_the_moving_expert_bias_without_recompiling(micro_config):
+    """Issue 43: b is a buffer the compiled MoE graph reads as an input, not a constant it specialised on: the
+    once-per-step in-place update (and a planted b that sends every token to expert 0) adds no graph or frame,
+    and the compiled forward routes by the b of the moment."""
+    from nagmoe.model import build_model
+    from nagmoe.model.router_health import moe_layers
+
+    cfg = micro_config(*MHA, "model.moe.expert_bias=true", "model.moe.bias_update_rate=0.01")
+    _fresh_dynamo()
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    compile_model(model, backend="eager")
+    layers = moe_layers(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    seen = []
+    for _ in range(STEPS):
+        x = torch.randint(0, cfg.model.vocab_size, (4, cfg.data.seq_len), generator=gen)
+        out = model(x, x)
+        (out.loss + out.aux_loss).backward()
+        opt.step()
+        opt.zero_grad()
+        model.update_expert_bias(torch.stack([layer.last_stats["tokens_per_expert"] for layer in layers]))
+        seen.append(_graphs())
+    assert seen[1:] == [seen[1]] * (STEPS - 1), f"recompiled as b moved: {seen}"
+    assert float(layers[0].expert_bias.abs().max()) > 0
+    with torch.no_grad():
+        for layer in layers:
+            layer.expert_bias[0] += 10.0  # beyond any probability gap: expert 0 is every token's first choice
+    model(x, x)  # a training forward as above (no_grad would add its own graphs, as evaluation does)
+    assert _graphs() == seen[-1]
+    tokens = x.numel()
+    for layer in layers:
+        assert float(layer.last_stats["tokens_per_expert"][0]) == tokens

@@ -68,15 +68,71 @@ def test_a_skipped_nonfinite_step_leaves_the_bias(micro_config):
     assert not torch.equal(before, expert_biases(t.model))  # the next taken step moves it again
 
 
+def router_records(run_dir):
+    import os
+
+    from nagmoe.train.metrics import read_metrics
+
+    return {r["step"]: r["router"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "router" in r}
+
+
 def test_save_and_resume_equal_the_straight_run(micro_config, tmp_path):
-    straight = trainer_for(micro_config, "train.max_steps=4", run_dir=str(tmp_path / "a"))
+    """b and the flip statistic's previous signs (checkpoint extra state) continue the straight run: the
+    metrics' router telemetry after the resume, flip share included, is the straight run's."""
+    log = ("log.every=1",)
+    straight = trainer_for(micro_config, "train.max_steps=4", *log, run_dir=str(tmp_path / "a"))
     straight.run()
-    first = trainer_for(micro_config, "train.max_steps=2", run_dir=str(tmp_path / "b"))
+    first = trainer_for(micro_config, "train.max_steps=2", *log, run_dir=str(tmp_path / "b"))
     first.run()
-    resumed = trainer_for(micro_config, "train.max_steps=4", run_dir=str(tmp_path / "b"))
+    resumed = trainer_for(micro_config, "train.max_steps=4", *log, run_dir=str(tmp_path / "b"))
     assert torch.equal(expert_biases(resumed.model), expert_biases(first.model))  # loaded, not zeros
+    assert torch.equal(resumed._bias_signs, first._bias_signs)
     resumed.run()
     assert torch.equal(expert_biases(straight.model), expert_biases(resumed.model))
+    want, got = router_records(str(tmp_path / "a")), router_records(str(tmp_path / "b"))
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    assert "bias_flip_share" not in want[1] and "bias_flip_share" in want[3]  # step 1 has no previous update
+    for step in (3, 4):  # the first steps after the resume
+        assert got[step] == want[step], step
+
+
+def test_the_flip_share_equals_a_hand_count_of_the_update_signs(micro_config):
+    t = trainer_for(micro_config)
+    signs = []
+    for _ in range(5):
+        t.train_step()
+        c = t._step_counts.double()
+        signs.append(torch.sign(c.mean(1, keepdim=True) - c))
+    flips = sum((a != b).double().sum(1) for a, b in zip(signs, signs[1:]))
+    report = t._router_report()
+    E = t.cfg.model.moe.n_experts
+    assert report["bias_flip_share"] == pytest.approx((flips / (4 * E)).tolist(), abs=1e-12)
+    assert 0 < max(report["bias_flip_share"]) < 1  # some signs flipped, not all (the check can fail)
+    for _ in range(2):  # a new interval: the flips since the last report only
+        t.train_step()
+        c = t._step_counts.double()
+        signs.append(torch.sign(c.mean(1, keepdim=True) - c))
+    flips = sum((a != b).double().sum(1) for a, b in zip(signs[4:], signs[5:]))
+    assert t._router_report()["bias_flip_share"] == pytest.approx((flips / (2 * E)).tolist(), abs=1e-12)
+    frozen = trainer_for(micro_config, "model.moe.bias_update_rate=0")
+    frozen.train_step()
+    frozen.train_step()
+    assert "bias_flip_share" not in frozen._router_report() and frozen._bias_signs is None
+
+
+def test_malformed_saved_signs_are_one_line(micro_config):
+    from nagmoe.errors import UserError
+    from nagmoe.model.router_health import saved_bias_signs
+
+    t = trainer_for(micro_config)
+    L, E = expert_biases(t.model).shape
+    good = [[1] * E] * L
+    assert saved_bias_signs({"expert_bias_signs": good}, t.model, "ckpt").tolist() == good
+    assert saved_bias_signs({}, t.model, "ckpt") is None
+    for bad in ([[1] * E] * (L + 1), [[2] * E] * L, [[True] * E] * L, "x" * 10 ** 5, [[1.0] * E] * L):
+        with pytest.raises(UserError) as e:
+            saved_bias_signs({"expert_bias_signs": bad}, t.model, "ckpt/state.json")
+        assert "\n" not in str(e.value) and len(str(e.value)) < 400 and "expert_bias_signs" in str(e.value)
 
 
 def test_a_bias_on_resume_from_a_checkpoint_without_it_is_one_line(micro_config, tmp_path, capsys):
