@@ -16,6 +16,8 @@ router's capacity, not the gradient that trains it).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -42,18 +44,24 @@ def _batch(table: torch.Tensor, gen: torch.Generator, rows: int = 32):
     return x, y
 
 
-def probe_config(residual: str, gate_grad: str) -> ModelConfig:
+def probe_config(residual: str, gate_grad: str, bias_update_rate: Optional[float] = None) -> ModelConfig:
+    """`bias_update_rate`: None = no expert bias; else model.moe.expert_bias on at that γ."""
     return ModelConfig(residual=residual, vocab_size=VOCAB, d_model=64, n_layers=1, max_seq_len=SEQ, ffn="moe",
                        attention=AttentionConfig(kind="mha", n_heads=2, impl="math"),
                        moe=MoEConfig(n_experts=EXPERTS, top_k=1, expert_hidden=64, impl="loop", lb_loss_weight=0.0,
-                                     z_loss_weight=0.0, gate_grad=gate_grad),
+                                     z_loss_weight=0.0, gate_grad=gate_grad,
+                                     expert_bias=bias_update_rate is not None,
+                                     bias_update_rate=bias_update_rate or 0.0),
                        nag=NAGConfig(C=EXPERTS, warmup_tokens=0))
 
 
-def probe(residual: str, gate_grad: str, seed: int, oracle_steps: int = 300, router_steps: int = 200) -> dict:
-    """Run both phases for one seed; returns the held-out loss and routing accuracy after phase 2."""
+def probe(residual: str, gate_grad: str, seed: int, oracle_steps: int = 300, router_steps: int = 200,
+          bias_update_rate: Optional[float] = None) -> dict:
+    """Run both phases for one seed; returns the held-out loss and routing accuracy after phase 2. With
+    `bias_update_rate` the loss-free expert bias (model.moe.expert_bias) routes too: zero through the oracle
+    phase, then updated once per phase-2 step from that step's routing counts, as the trainer does."""
     torch.manual_seed(seed)
-    cfg = probe_config(residual, gate_grad)
+    cfg = probe_config(residual, gate_grad, bias_update_rate)
     model = build_model(cfg)
     router = model.blocks[0].ffn.router
     table, gen = _next_token_table(seed), torch.Generator().manual_seed(seed)
@@ -78,16 +86,22 @@ def probe(residual: str, gate_grad: str, seed: int, oracle_steps: int = 300, rou
         p.requires_grad_(False)
     router.weight.requires_grad_(True)
     opt = torch.optim.AdamW([router.weight], lr=1e-2)
+    layer = model.blocks[0].ffn
     for _ in range(router_steps):
         x, y = _batch(table, gen)
         loss = model(x, y).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if bias_update_rate is not None:
+            model.update_expert_bias(layer.last_stats["tokens_per_expert"].view(1, -1))
 
     x, y = _batch(table, torch.Generator().manual_seed(99), rows=64)
     routed = {}
-    hook = router.register_forward_hook(lambda m, i, o: routed.__setitem__("expert", o.argmax(-1)))
+    bias = torch.zeros(EXPERTS) if layer.expert_bias is None else layer.expert_bias.clone()
+    # the chosen expert: top-1 of the probabilities plus b (b = 0 without the bias: the argmax of the logits)
+    hook = router.register_forward_hook(
+        lambda m, i, o: routed.__setitem__("expert", (o.float().softmax(-1) + bias).argmax(-1)))
     with torch.no_grad():
         held_out = float(model(x, y).loss)
     hook.remove()
