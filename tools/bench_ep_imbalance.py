@@ -10,6 +10,16 @@ Per step and MoE layer: received rows (the slots this rank's experts compute) an
 executed tokens x top_k); the imbalance is max over ranks / mean over ranks — the slowest rank sets the step's
 pace, so 1.0 is even and 1.2 means the busiest rank works 20% more than average. Reported as mean, p95 and max
 over steps and layers, for received and sent rows, beside the mean executed share of MoE tokens per rank.
+
+    python tools/bench_ep_imbalance.py --balance [--ranks 4 --steps 40 --capacity-factors none 1.25]
+
+Expert balancing (issue 43) at full depth on `--ranks` gloo ranks with parallel.ep = ranks: the loss-free expert
+bias at γ in {0, 1e-3, 1e-2} (model.moe.expert_bias on; γ = 0 is the plain router) and a bench-only round-robin
+routing control (token n's k-th slot goes to expert (n·K + k) mod E: perfectly even by construction), each
+without and with a capacity factor. Per variant: the EP received-rows max/mean per (step, layer), the receive
+peak of the router telemetry (the busiest rank's rows in one layer's all-to-all of one micro-step, over the
+mean), the worst layer's expert max/mean over the run, the dropped share of slots, the bias's largest range,
+and the mean step time (steps after the second; on a shared 2-core machine a 4-rank time is mostly contention).
 """
 from __future__ import annotations
 
@@ -102,15 +112,102 @@ def measure(config: str, steps: int, overrides=(), work: str = None) -> dict:
     return out
 
 
-def _child(rank: int, port: int, config: str, steps: int, overrides: list, work: str, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+ROUTINGS = {"gamma=0": 0.0, "gamma=0.001": 1e-3, "gamma=0.01": 1e-2, "round_robin": None}
+
+
+def round_robin(layer) -> None:
+    """Bench-only control: the layer routes token n's k-th slot to expert (n·K + k) mod E (its router's output
+    times 0 is kept in the graph so every parameter still gets a gradient, as DDP expects)."""
+    plain, E, K = layer.router.forward, layer.n_experts, layer.top_k
+
+    def forward(x_ND):
+        n = x_ND.shape[0]
+        expert_NK = (torch.arange(n, device=x_ND.device).unsqueeze(1) * K + torch.arange(K, device=x_ND.device)) % E
+        pattern_NE = torch.zeros(n, E, device=x_ND.device).scatter_(
+            1, expert_NK, (10.0 - torch.arange(K, device=x_ND.device, dtype=torch.float32)).expand(n, K))
+        return plain(x_ND) * 0.0 + pattern_NE
+
+    layer.router.forward = forward
+
+
+def balance_run(cfg, run_dir: str, steps: int, control: bool) -> dict:
+    """Train `steps` steps on this rank; its traffic per step and layer, its step times and the run's router
+    report (read once at the end: the whole run is one telemetry interval)."""
+    import time
+
+    from nagmoe.model.router_health import moe_layers as routed_layers
+    from nagmoe.parallel.expert_parallel import moe_layers
+    from nagmoe.train.trainer import Trainer
+
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    if control:
+        for layer in routed_layers(trainer.model):
+            round_robin(layer)
+    log, times = [], []
+    try:
+        for _ in range(steps):
+            for _, layer in moe_layers(trainer.model):
+                layer.dispatcher.take_traffic()
+            started = time.perf_counter()
+            trainer.train_step()
+            times.append(time.perf_counter() - started)
+            log.append([layer.dispatcher.take_traffic() for _, layer in moe_layers(trainer.model)])
+        report = trainer._router_report()
+    finally:
+        trainer.release_lease()
+    return {"log": log, "times": times, "report": report}
+
+
+def measure_balance(config: str, steps: int, overrides=(), work: str = None, capacity_factors=(None, 1.25),
+                    routings=tuple(ROUTINGS)) -> dict:
+    """On the ranks of a process group (parallel.ep = their number): every routing x capacity factor, gathered
+    to every rank."""
+    import torch.distributed as dist
+
+    from nagmoe.config import load_config
+
+    work = work or tempfile.mkdtemp(prefix="ep_balance_")
+    world = dist.get_world_size()
+    out = {}
+    for routing in routings:
+        rate = ROUTINGS[routing]
+        for factor in capacity_factors:
+            name = f"{routing}/capacity={'none' if factor is None else factor}"
+            bias = [] if not rate else ["model.moe.expert_bias=true", f"model.moe.bias_update_rate={rate}"]
+            cfg = load_config(config, [*overrides, f"parallel.ep={world}", f"train.max_steps={steps}",
+                                       f"train.schedule_steps={steps}", "train.eval_every=0",
+                                       "train.checkpoint_every=0", "log.wandb=off", "model.mod.skip_rate=0",
+                                       f"model.moe.capacity_factor={'null' if factor is None else factor}", *bias])
+            run = balance_run(cfg, os.path.join(work, name.replace("/", "_")), steps, routing == "round_robin")
+            logs = [None] * world
+            dist.all_gather_object(logs, run["log"])
+            report, received = run["report"], []
+            for step in range(steps):
+                for layer in range(len(logs[0][0])):
+                    received.append(imbalance([logs[r][step][layer]["received"] for r in range(world)]))
+            timed = run["times"][2:] or run["times"]
+            out[name] = {
+                "ep_received_max_over_mean": summarise(received),
+                "receive_peak_over_mean": report.get("receive_peak_over_mean"),
+                "receive_peak_rows": report.get("receive_peak_rows"),
+                "expert_max_over_mean_worst_layer": report["max_over_mean_max"],
+                "dropped_frac": statistics.fmean(report["dropped_frac"]),
+                "bias_range_max": max(report["bias_range"]) if "bias_range" in report else None,
+                "step_s": statistics.fmean(timed)}
+    return out
+
+
+def _child(rank: int, world: int, port: int, config: str, steps: int, overrides: list, work: str, queue,
+           balance: dict = None) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from nagmoe.parallel.env import init_distributed, read_dist_env, shutdown_distributed
 
     init_distributed(read_dist_env(), torch.device("cpu"))
     try:
-        result = measure(config, steps, overrides, work)
+        result = (measure(config, steps, overrides, work) if balance is None
+                  else measure_balance(config, steps, overrides, work, **balance))
         if rank == 0:
             queue.put(result)
     finally:
@@ -122,8 +219,14 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=os.path.join(REPO, "configs/tiny-mod20.yaml"))
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", default=None, help="write the JSON here (it is always printed)")
+    ap.add_argument("--balance", action="store_true", help="the expert-balancing study (issue 43), full depth")
+    ap.add_argument("--ranks", type=int, default=2, help="gloo ranks (parallel.ep = ranks)")
+    ap.add_argument("--capacity-factors", nargs="+", default=["none", "1.25"],
+                    help="--balance: the capacity factors to run ('none' = dropless)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
+    if args.ranks < 2 or (not args.balance and args.ranks != 2):
+        ap.error("--ranks must be >= 2 (and 2 without --balance)")
     os.chdir(REPO)  # the configs' data paths are relative to the repository
     from nagmoe.config import load_config
     from nagmoe.data.prepare import ensure_prepared
@@ -135,15 +238,19 @@ def main(argv=None) -> int:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     work = tempfile.mkdtemp(prefix="ep_imbalance_")
-    procs = [ctx.Process(target=_child, args=(r, port, args.config, args.steps, args.overrides, work, queue))
-             for r in range(2)]
+    balance = None if not args.balance else {
+        "capacity_factors": [None if f == "none" else float(f) for f in args.capacity_factors]}
+    procs = [ctx.Process(target=_child, args=(r, args.ranks, port, args.config, args.steps, args.overrides, work,
+                                              queue, balance))
+             for r in range(args.ranks)]
     for p in procs:
         p.start()
     result = queue.get(timeout=3600)
     for p in procs:
         p.join()
-    result = {"benchmark": "ep_imbalance", "config": os.path.relpath(args.config, REPO), "ep": 2,
-              "backend": "gloo", "overrides": args.overrides, **result}
+    result = {"benchmark": "ep_balance" if args.balance else "ep_imbalance",
+              "config": os.path.relpath(args.config, REPO), "ep": args.ranks, "backend": "gloo",
+              "steps": args.steps, "overrides": args.overrides, **result}
     emit_json(result, args.out)
     return 0
 
