@@ -189,8 +189,8 @@ class Transformer(nn.Module):
     def update_expert_bias(self, counts_LE: torch.Tensor) -> Optional[torch.Tensor]:
         """Loss-free balancing (model.moe.expert_bias): each MoE layer's bias from the optimizer step's routing
         slots per expert over the global batch (`counts_LE`, MoE layers in depth order, as the trainer's router
-        telemetry sums them). The trainer calls it once per taken step; nothing else does. Returns the (L, E)
-        signs applied, or None when no bias moved (off, or rate 0)."""
+        telemetry sums them). The trainer calls it once per taken step (the routing probe, once per router step;
+        nothing else does). Returns the (L, E) signs applied, or None when no bias moved (off, or rate 0)."""
         from nagmoe.model.router_health import moe_layers
 
         layers = moe_layers(self)
