@@ -49,9 +49,12 @@ def test_without_the_step_gain_form_nag_top1_starves_the_router(prenorm_top1):
     assert ratio < prenorm_top1 * 1e-3
 
 
-def test_autograd_agrees_with_the_analytic_gradient_of_the_step_gain_form():
+@pytest.mark.parametrize("biased", [False, True])
+def test_autograd_agrees_with_the_analytic_gradient_of_the_step_gain_form(biased):
     """One NAG update around a top-1 MoE: with step gain g·S/sg(S) the router weight gradient is
-    Σ_n g_n·∂L/∂g_n · (e_k(n) - p_n) ⊗ x_n (∂L/∂log S = g·∂L/∂g, S = p_k(n), softmax Jacobian)."""
+    Σ_n g_n·∂L/∂g_n · (e_k(n) - p_n) ⊗ x_n (∂L/∂log S = g·∂L/∂g, S = p_k(n), softmax Jacobian). With the
+    loss-free expert bias (issue 43) k(n) is the biased choice argmax(p_n + b) and the form is otherwise the same:
+    b moves the selection, not the gradient's shape."""
     from nagmoe.config import MoEConfig
     from nagmoe.model.moe import MoELayer
     from nagmoe.nag_math import nag_update, rms_normalise
@@ -59,9 +62,11 @@ def test_autograd_agrees_with_the_analytic_gradient_of_the_step_gain_form():
     torch.manual_seed(3)
     d, n = 32, 24
     moe = MoELayer(d, MoEConfig(n_experts=4, top_k=1, expert_hidden=16, impl="loop", lb_loss_weight=0,
-                                z_loss_weight=0), gate_scale_output=True).double()
+                                z_loss_weight=0, expert_bias=biased), gate_scale_output=True).double()
     with torch.no_grad():
         moe.w_out.normal_(std=d ** -0.5)
+        if biased:
+            moe.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.1, -0.2]))
     x = rms_normalise(torch.randn(1, n, d, dtype=torch.float64))
     log_norm = torch.zeros(1, n, dtype=torch.float64)
     g = torch.full((1, n), 0.7, dtype=torch.float64, requires_grad=True)
@@ -72,7 +77,9 @@ def test_autograd_agrees_with_the_analytic_gradient_of_the_step_gain_form():
     loss.backward()
     with torch.no_grad():
         p = torch.softmax(moe.router(x[0]), dim=-1).double()  # (n, E); the router computes in fp32
-        chosen = p.argmax(-1)
+        chosen = (p + (moe.expert_bias if biased else 0.0)).argmax(-1)
+        if biased:  # the bias changed some choices (the check can fail)
+            assert (chosen != p.argmax(-1)).any()
         coeff = (g.detach() * g.grad)[0]  # g·∂L/∂g per token
         dlogits = coeff[:, None] * (torch.nn.functional.one_hot(chosen, 4).double() - p)
         analytic = dlogits.T @ x[0]
