@@ -152,7 +152,7 @@ def balance_run(cfg, run_dir: str, steps: int, control: bool) -> dict:
             trainer.train_step()
             times.append(time.perf_counter() - started)
             log.append([layer.dispatcher.take_traffic() for _, layer in moe_layers(trainer.model)])
-        report = trainer._router_report()
+        report = trainer.routing.report(trainer.mesh.ep, trainer.model)
     finally:
         trainer.release_lease()
     return {"log": log, "times": times, "report": report}

@@ -41,12 +41,14 @@ from nagmoe.parallel.mesh import ParallelMesh
 from nagmoe.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from nagmoe.checkpoint.lease import RunDirLease, fence_on_all_ranks
 from nagmoe.model.moe import GlobalBalance
-from nagmoe.model.router_health import RouterTelemetry, expert_biases, moe_layers, saved_bias_signs
+from nagmoe.model.router_health import moe_layers
 from nagmoe.train.mod_accounting import ModAccount
+from nagmoe.train.router_accounting import RouterAccounting
 from nagmoe.job_environment import describe_environment
 from nagmoe.settings import check_start_settings
 from nagmoe.train.export_at_end import check_available as check_export_available, export_at_end
 from nagmoe.train.wandb_id import ensure_wandb_id
+from nagmoe.train.wandb_mode import start_wandb
 from nagmoe.train.metrics import MetricsWriter, check_metrics_steps, truncate_metrics
 from nagmoe.train.optim import build_optimizers
 from nagmoe.train.host_copy import to_device
@@ -150,10 +152,7 @@ class Trainer:
 
         self._check_data()
         # one trainer per run dir (nagmoe.checkpoint.lease), taken before anything in it is read or written
-        self._router_interval = RouterTelemetry()  # routing since the last logged report
-        self._step_router = RouterTelemetry()  # the last optimizer step's routing (train_step refills it)
-        self._step_counts = None  # the last step's global routing counts (model.moe.expert_bias reads them)
-        self._bias_signs = None  # the last bias update's (L, E) signs (the flip share; checkpoint extra state)
+        self.routing = RouterAccounting()  # per step, per log interval, the expert bias's update
         self.lease = None
         mesh.on_rank0(lambda: self._take_lease(take_over))
         try:
@@ -225,7 +224,7 @@ class Trainer:
                                               verified=True, rng_seed=t.seed))
                 self._log(f"loaded {latest} in {time.perf_counter() - started:.1f} s")
                 self.progress = Progress(**state["progress"])
-                self._bias_signs = saved_bias_signs(state, self.model, latest)
+                self.routing.load_extra_state(state, self.model, latest)
                 self.loader.load_state_dict(state["loader"])
                 self._log(f"resumed from {latest} at step {self.progress.step}")
             calibrator = self.model.mod_calibrator()
@@ -256,7 +255,7 @@ class Trainer:
             self._log(f"device {self.device}; backends: {self.backends}; grad accumulation {self.accum}")
             if self.rank == 0:  # also under --quiet (job scripts): the job log says what ports and threads it ran on
                 print(f"[nagmoe] environment: {describe_environment()}", file=sys.stderr, flush=True)
-            self.wandb = self._init_wandb()
+            self.wandb = start_wandb(self.cfg, self.run_dir) if self.rank == 0 else None
         except BaseException:
             self.release_lease()
             raise
@@ -287,28 +286,6 @@ class Trainer:
         if not os.path.isfile(index_path):
             raise UserError(f"{index_path}: no prepared data; run `nagmoe prepare-data --config ...` first")
         check_data_vocab(d, self.cfg.model.vocab_size)
-
-    def _init_wandb(self):
-        setting = self.cfg.log.wandb
-        if setting == "off" or self.rank != 0:
-            return None
-        try:
-            import wandb
-        except ImportError:
-            if setting == "auto":  # auto never stops a run: no logger where wandb is not installed
-                warn("log.wandb=auto: wandb is not installed; logging to metrics.jsonl only")
-                return None
-            raise UserError(f"log.wandb={setting} needs wandb: pip install 'nagmoe[wandb]'") from None
-        from nagmoe.config import to_dict
-        from nagmoe.train.wandb_id import read_wandb_id
-        from nagmoe.train.wandb_mode import resolve_wandb_mode, sync_hint
-
-        mode, why_offline = resolve_wandb_mode(setting)  # auto: online only with credentials and an answer
-        if why_offline is not None:
-            warn(f"log.wandb=auto: offline ({why_offline}); upload later with: {sync_hint(self.run_dir)}")
-        return wandb.init(mode=mode, dir=self.run_dir, project=self.cfg.log.project,
-                          name=os.path.basename(os.path.abspath(self.run_dir)), config=to_dict(self.cfg),
-                          resume="allow", id=read_wandb_id(self.run_dir))  # unique per run dir (wandb_id.py)
 
     def local_executed_fractions(self) -> Optional[list]:
         """The realised executed fraction per sublayer (MoD) of the last step, or None for full depth (and
@@ -397,7 +374,7 @@ class Trainer:
         # the step's metrics stay on the device until one read after the optimizer step (issue 26)
         loss_sum = aux_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         model = self.engine if self.engine is not None else self.ddp if self.ddp is not None else self.model
-        self._step_router = RouterTelemetry()  # this step's routing, summed over its micro-batches
+        self.routing.begin_step()  # this step's routing, summed over its micro-batches
         # model.moe.lb_granularity=global_batch: the balance loss from the step's counts over every rank so far
         balance = GlobalBalance() if m.ffn == "moe" and m.moe.lb_granularity == "global_batch" else None
         for i in range(self.accum):
@@ -408,7 +385,7 @@ class Trainer:
             with self.ddp.no_sync() if skip_sync else nullcontext():
                 with self.autocast:
                     out = model(x, y)
-                self._step_router.add(self.model, self.rank, self.world_size)
+                self.routing.add(self.model, self.rank, self.world_size)
                 aux = out.aux_loss
                 if balance is not None:  # one stacked all-reduce per micro-step, after the forward
                     aux = aux + balance.loss(moe_layers(self.model),
@@ -423,7 +400,7 @@ class Trainer:
         sums = torch.stack([loss_sum, aux_sum])
         if self.mesh.distributed:  # every rank takes the same guard decisions
             sums = self.mesh.mean_tensor(sums)
-        worst_load = self._router_step()
+        worst_load = self.routing.end_step(self.mesh.distributed)
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         if self.engine is not None:  # DeepSpeed: the guard before its own step needs the loss first
             loss_sum, aux_sum = sums.tolist()
@@ -450,11 +427,8 @@ class Trainer:
             if not skipped:
                 self.optim.step()
             self.optim.zero_grad(set_to_none=True)
-        if not skipped and self._step_counts is not None and m.ffn == "moe" and m.moe.expert_bias:
-            signs = self.model.update_expert_bias(self._step_counts)  # once per taken step, from the global batch
-            if signs is not None and self._bias_signs is not None:
-                self._router_interval.note_bias_signs(signs, self._bias_signs)
-            self._bias_signs = signs if signs is not None else self._bias_signs
+        if not skipped and m.ffn == "moe" and m.moe.expert_bias:
+            self.routing.update_bias(self.model)  # once per taken step, from the global batch's counts
         # MoD: this step's scores set the next step's thresholds; its realised fractions price this step
         self.mod_executed = self.model.mod_update(self._sum_over_ranks if self.mesh.distributed else None)
         p.flops += self.step_flops()
@@ -508,36 +482,6 @@ class Trainer:
                                        t.gate_collapse_stop))
         return t.gate_collapse_stop
 
-    def _router_step(self) -> Optional[torch.Tensor]:
-        """This optimizer step's routing summed over ranks (one all-reduce) into the interval's telemetry; the
-        worst layer's max/mean expert load (1 = balanced) as a device tensor, read with the step's metrics."""
-        step = self._step_router
-        self._step_counts = None
-        if step.empty:
-            return None
-        flat = step.flat()
-        if self.mesh.distributed:
-            import torch.distributed as dist
-
-            dist.all_reduce(flat)
-        step = step.from_flat(flat)
-        self._router_interval.add_tensors(step.counts_LE, step.entropy_L, step.tokens_L, step.dropped_L,
-                                          step.rerouted_L)
-        self._router_interval.add_peaks(step)  # EP: the busiest rank's received rows
-        self._step_counts = step.counts_LE  # the expert bias's update reads them once the step is taken
-        counts = step.counts_LE
-        return (counts.max(1).values / counts.mean(1).clamp_min(1e-9)).max()
-
-    def _router_report(self) -> Optional[dict]:
-        """The per-layer router report of the steps since the last one (nagmoe.model.router_health); one host
-        read, at log steps only. None without MoE."""
-        if self._router_interval.empty:
-            return None
-        health = self._router_interval.report(self.mesh.ep, expert_biases(self.model))
-        health.pop("load")  # the L x E matrix stays out of every log line (nagmoe analyze has it)
-        self._router_interval = RouterTelemetry()
-        return health
-
     def checkpoint_schedule(self) -> CheckpointSchedule:
         """When to save and what a failed save does (nagmoe/train/checkpoint_schedule.py); `self.clock` (a
         test's fake clock) drives the time-based saves."""
@@ -552,9 +496,7 @@ class Trainer:
         step, a preemption): then it raises that line as a UserError (exit 2)."""
         schedule, step = self.checkpoint_schedule(), self.progress.step
         state = {"step": step, "progress": self.progress.as_dict(), "loader": self.loader.state_dict(),
-                 **({"milestone": True} if milestone else {}),
-                 **({"expert_bias_signs": self._bias_signs.to(torch.int8).tolist()}
-                    if self._bias_signs is not None else {})}
+                 **({"milestone": True} if milestone else {}), **self.routing.extra_state()}
         refusal = schedule.disk_refusal()
         if refusal is not None:
             schedule.failed(step, refusal, fatal)
@@ -616,7 +558,7 @@ class Trainer:
                 self.progress.wall_s = wall0 + time.perf_counter() - started
                 step, last = self.progress.step, self.should_stop()
                 logged = last or step % self.cfg.log.every == 0
-                router = self._router_report() if logged else None
+                router = self.routing.report(self.mesh.ep, self.model) if logged else None
                 rec = {"step": step, "tokens": self.progress.tokens, "flops": self.progress.flops,
                        **rec, "tokens_per_s": t.batch_tokens / dt,
                        **({"router": router} if router is not None else {})}

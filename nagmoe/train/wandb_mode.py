@@ -55,3 +55,30 @@ def resolve_wandb_mode(setting: str, timeout_s: float = PROBE_TIMEOUT_S) -> tupl
 
 def sync_hint(run_dir: str) -> str:
     return f"wandb sync {os.path.join(os.path.abspath(run_dir), 'wandb', 'offline-run-*')}"
+
+
+def start_wandb(cfg, run_dir: str):
+    """The run's wandb logger (rank 0 calls it), or None with `log.wandb: off`, or with `auto` where wandb is not
+    installed (a warning); `offline`/`online` without wandb is a UserError naming the extra."""
+    from nagmoe.errors import UserError
+    from nagmoe.train.guards import warn
+
+    setting = cfg.log.wandb
+    if setting == "off":
+        return None
+    try:
+        import wandb
+    except ImportError:
+        if setting == "auto":  # auto never stops a run: no logger where wandb is not installed
+            warn("log.wandb=auto: wandb is not installed; logging to metrics.jsonl only")
+            return None
+        raise UserError(f"log.wandb={setting} needs wandb: pip install 'nagmoe[wandb]'") from None
+    from nagmoe.config import to_dict
+    from nagmoe.train.wandb_id import read_wandb_id
+
+    mode, why_offline = resolve_wandb_mode(setting)  # auto: online only with credentials and an answer
+    if why_offline is not None:
+        warn(f"log.wandb=auto: offline ({why_offline}); upload later with: {sync_hint(run_dir)}")
+    return wandb.init(mode=mode, dir=run_dir, project=cfg.log.project,
+                      name=os.path.basename(os.path.abspath(run_dir)), config=to_dict(cfg),
+                      resume="allow", id=read_wandb_id(run_dir))  # unique per run dir (wandb_id.py)

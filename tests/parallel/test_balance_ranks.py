@@ -107,7 +107,7 @@ def skewed_step(overrides):
             return out
         layer.dispatcher = recording
     trainer.train_step()
-    report = trainer._router_report()
+    report = trainer.routing.report(trainer.mesh.ep, trainer.model)
     return {"rank": dist.get_rank(), "calls": calls, "peak_rows": report["receive_peak_rows"],
             "peak_over_mean": report["receive_peak_over_mean"], "ep_rank": trainer.mesh.ep_rank}
 

@@ -24,7 +24,7 @@ def test_one_update_per_step_whatever_the_accumulation(micro_config):
     assert (one.accum, four.accum) == (1, 4)
     one.train_step()
     four.train_step()
-    assert torch.equal(one._step_counts, four._step_counts)
+    assert torch.equal(one.routing.counts_LE, four.routing.counts_LE)
     b1, b4 = expert_biases(one.model), expert_biases(four.model)
     assert torch.equal(b1, b4) and float(b1.abs().max()) > 0  # moved, and once: |b_e| <= rate·(1 + 1)
     assert float(b1.abs().max()) <= 0.02 + 1e-7
@@ -36,8 +36,8 @@ def test_counts_under_activation_checkpointing_are_counted_once(micro_config):
     plain.train_step()
     ckpt.train_step()
     top_k, tokens = plain.cfg.model.moe.top_k, plain.cfg.train.batch_tokens
-    assert torch.equal(plain._step_counts, ckpt._step_counts)
-    assert plain._step_counts.sum(1).tolist() == [top_k * tokens] * len(moe_layers(plain.model))
+    assert torch.equal(plain.routing.counts_LE, ckpt.routing.counts_LE)
+    assert plain.routing.counts_LE.sum(1).tolist() == [top_k * tokens] * len(moe_layers(plain.model))
     assert torch.equal(expert_biases(plain.model), expert_biases(ckpt.model))
 
 
@@ -86,7 +86,7 @@ def test_save_and_resume_equal_the_straight_run(micro_config, tmp_path):
     first.run()
     resumed = trainer_for(micro_config, "train.max_steps=4", *log, run_dir=str(tmp_path / "b"))
     assert torch.equal(expert_biases(resumed.model), expert_biases(first.model))  # loaded, not zeros
-    assert torch.equal(resumed._bias_signs, first._bias_signs)
+    assert torch.equal(resumed.routing.bias_signs, first.routing.bias_signs)
     resumed.run()
     assert torch.equal(expert_biases(straight.model), expert_biases(resumed.model))
     want, got = router_records(str(tmp_path / "a")), router_records(str(tmp_path / "b"))
@@ -101,23 +101,25 @@ def test_the_flip_share_equals_a_hand_count_of_the_update_signs(micro_config):
     signs = []
     for _ in range(5):
         t.train_step()
-        c = t._step_counts.double()
+        c = t.routing.counts_LE.double()
         signs.append(torch.sign(c.mean(1, keepdim=True) - c))
     flips = sum((a != b).double().sum(1) for a, b in zip(signs, signs[1:]))
-    report = t._router_report()
+    report = t.routing.report(t.mesh.ep, t.model)
     E = t.cfg.model.moe.n_experts
     assert report["bias_flip_share"] == pytest.approx((flips / (4 * E)).tolist(), abs=1e-12)
     assert 0 < max(report["bias_flip_share"]) < 1  # some signs flipped, not all (the check can fail)
     for _ in range(2):  # a new interval: the flips since the last report only
         t.train_step()
-        c = t._step_counts.double()
+        c = t.routing.counts_LE.double()
         signs.append(torch.sign(c.mean(1, keepdim=True) - c))
     flips = sum((a != b).double().sum(1) for a, b in zip(signs[4:], signs[5:]))
-    assert t._router_report()["bias_flip_share"] == pytest.approx((flips / (2 * E)).tolist(), abs=1e-12)
+    report = t.routing.report(t.mesh.ep, t.model)
+    assert report["bias_flip_share"] == pytest.approx((flips / (2 * E)).tolist(), abs=1e-12)
     frozen = trainer_for(micro_config, "model.moe.bias_update_rate=0")
     frozen.train_step()
     frozen.train_step()
-    assert "bias_flip_share" not in frozen._router_report() and frozen._bias_signs is None
+    assert "bias_flip_share" not in frozen.routing.report(frozen.mesh.ep, frozen.model)
+    assert frozen.routing.bias_signs is None
 
 
 def test_malformed_saved_signs_are_one_line(micro_config):
@@ -150,12 +152,12 @@ def test_a_bias_on_resume_from_a_checkpoint_without_it_is_one_line(micro_config,
 def test_the_report_reads_the_bias_and_rerouting(micro_config):
     frozen = trainer_for(micro_config, "model.moe.bias_update_rate=0")
     frozen.train_step()
-    report = frozen._router_report()
+    report = frozen.routing.report(frozen.mesh.ep, frozen.model)
     assert report["rerouted_frac"] == [0.0] * len(moe_layers(frozen.model)) and report["bias_range"] == [0.0, 0.0]
     moving = trainer_for(micro_config)
     for _ in range(3):
         moving.train_step()
-    report = moving._router_report()
+    report = moving.routing.report(moving.mesh.ep, moving.model)
     b = expert_biases(moving.model).double()
     assert report["bias_range"] == pytest.approx((b.max(1).values - b.min(1).values).tolist(), abs=1e-12)
     assert report["bias_std"] == pytest.approx(b.std(1, unbiased=False).tolist(), abs=1e-12)
