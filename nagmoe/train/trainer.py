@@ -48,7 +48,7 @@ from nagmoe.job_environment import describe_environment
 from nagmoe.settings import check_start_settings
 from nagmoe.train.export_at_end import check_available as check_export_available, export_at_end
 from nagmoe.train.wandb_id import ensure_wandb_id
-from nagmoe.train.wandb_mode import start_wandb
+from nagmoe.train.wandb_mode import start_wandb, wandb_record
 from nagmoe.train.metrics import MetricsWriter, check_metrics_steps, truncate_metrics
 from nagmoe.train.optim import build_optimizers
 from nagmoe.train.host_copy import to_device
@@ -570,7 +570,7 @@ class Trainer:
                     if metrics is not None:
                         metrics.write(rec)
                 if self.wandb is not None:
-                    self.wandb.log({k: v for k, v in rec.items() if v is not None}, step=step)
+                    self.wandb.log(wandb_record(rec), step=step)
                 if progress_log is not None:
                     progress_log.update(rec, self.progress.flops - flops_before, dt, last, val_bpb)
                 save, milestone = self.checkpoint_schedule().due(step, self.progress.tokens, last or gate_stop)

@@ -82,3 +82,15 @@ def start_wandb(cfg, run_dir: str):
     return wandb.init(mode=mode, dir=run_dir, project=cfg.log.project,
                       name=os.path.basename(os.path.abspath(run_dir)), config=to_dict(cfg),
                       resume="allow", id=read_wandb_id(run_dir))  # unique per run dir (wandb_id.py)
+
+
+def wandb_record(rec: dict) -> dict:
+    """A metrics record as wandb receives it: None values left out; the router report's per-layer lists as
+    {"layer_0": v, ...}, so each layer is a chart (wandb charts scalars, not lists); the report's scalars keep
+    their keys (`router.max_over_mean_p90`, ...), so a resumed run's series continue."""
+    out = {k: v for k, v in rec.items() if v is not None}
+    router = out.get("router")
+    if isinstance(router, dict):
+        out["router"] = {k: {f"layer_{i}": x for i, x in enumerate(v)} if isinstance(v, list) else v
+                         for k, v in router.items()}
+    return out
