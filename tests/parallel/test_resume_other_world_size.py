@@ -11,7 +11,8 @@ lr_embed 0.02), every step reads the reference's rows, the saved loader states e
 final weights (expert stacks re-sliced by global expert index at each load, their Muon/AdamW state with them)
 and progress (step, tokens, FLOPs) equal the reference's. Changing train.batch_tokens (the global batch) on
 resume is refused by `nagmoe train` with one line, exit 2; so is a layout change on the DeepSpeed engine.
-A rank the saving layout did not have gets generators seeded from (seed, step, rank).
+A rank the saving layout did not have gets generators seeded from (seed, step, rank). The expert bias is on:
+its b and the flip statistic's signs follow the reference through every layout (issue 43).
 """
 import json
 import os
@@ -38,8 +39,10 @@ PHASES = (  # (world size, parallel.ep, train.micro_batch_tokens, stop after thi
 # micro-batch size changes the objective itself (the run after such a resume is a slightly different run:
 # 2e-4 in the loss one step after 1-row instead of 2-row micro-batches, on this model); without it the
 # step's gradient is the same for every split of the global batch, and the chain must follow the reference.
+# The loss-free expert bias is on (issue 43): b is a replicated buffer, saved and resharded with the model, and
+# the last update's signs (the flip statistic) ride in the checkpoint's extra state.
 COMMON = (f"train.max_steps={STEPS}", "train.checkpoint_every=2", "train.keep_checkpoints=3",
-          "model.moe.lb_loss_weight=0")
+          "model.moe.lb_loss_weight=0", "model.moe.expert_bias=true", "model.moe.bias_update_rate=0.01")
 
 
 def layout_overrides(ep, micro):
@@ -57,7 +60,10 @@ def train_phase(overrides, run_dir, max_steps):
     start = trainer.progress.step
     trainer.run()
     rank = dist.get_rank() if dist.is_initialized() else 0
+    from nagmoe.model.router_health import expert_biases
+
     return {"start": start, "rows": trainer.loader.rows, "params": params_of(trainer.model),
+            "bias": expert_biases(trainer.model).tolist(),
             "expert_names": trainer.expert_names, "ep_rank": trainer.mesh.ep_rank, "accum": trainer.accum,
             "progress": trainer.progress.as_dict(), "losses": step_losses(run_dir) if rank == 0 else None}
 
@@ -102,7 +108,10 @@ def reference(overrides, tmp_path_factory):
     trainer = Trainer(load([*overrides, *layout_overrides(1, 128)]), run_dir, quiet=True)
     trainer.loader = RecordingLoader(trainer.loader)
     trainer.run()
+    from nagmoe.model.router_health import expert_biases
+
     rec = {"start": 0, "rows": trainer.loader.rows, "accum": trainer.accum, "params": params_of(trainer.model),
+           "bias": expert_biases(trainer.model).tolist(),
            "expert_names": [], "ep_rank": 0, "progress": trainer.progress.as_dict(), "losses": step_losses(run_dir)}
     return run_dir, rec
 
@@ -153,6 +162,8 @@ def test_resume_on_4_then_2_then_1_ranks_continues_the_reference(chain, referenc
         assert (progress["step"], progress["tokens"]) == (ref_progress["step"], ref_progress["tokens"]) == (
             step, step * 256)
         assert progress["flops"] == pytest.approx(ref_progress["flops"], rel=1e-12)
+        # the expert bias's last update signs (b itself is checked below, in the final model)
+        assert saved["extra"]["expert_bias_signs"] == ref_saved["extra"]["expert_bias_signs"], step
     assert [len(saved_state(run_dir, s)["rng"]) for s in (2, 4, 6)] == [4, 2, 1]
     assert [saved_state(run_dir, s)["layout"] for s in (2, 4, 6)] == [
         {"world_size": 4, "ep": 2}, {"world_size": 2, "ep": 2}, {"world_size": 1, "ep": 1}]
@@ -164,6 +175,10 @@ def test_resume_on_4_then_2_then_1_ranks_continues_the_reference(chain, referenc
             for n, v in r["params"].items():
                 if n not in experts or r["ep_rank"] == results[0]["ep_rank"]:
                     np.testing.assert_array_equal(v, results[0]["params"][n], err_msg=n)
+    # b: bitwise on every rank of a phase, and the final b is the reference's (integer counts, the same choices)
+    for results in phases:
+        assert all(r["bias"] == results[0]["bias"] for r in results)
+    assert phases[-1][0]["bias"] == ref["bias"] and max(abs(v) for row in ref["bias"] for v in row) > 0
     final = full_params(phases[-1])
     assert set(final) == set(ref["params"])
     for n, v in ref["params"].items():
