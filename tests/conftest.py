@@ -65,3 +65,18 @@ def micro_config(micro_data):
                            [*MICRO_OVERRIDES, f"data.corpus={corpus}", f"data.data_dir={data_dir}", *overrides])
 
     return make
+
+
+@pytest.fixture
+def nagmoe_cli(capsys):
+    """`nagmoe ARGV` in this process (the CLI entry); returns its stdout, failing the test on a non-zero exit."""
+    from nagmoe.cli import main
+
+    def run(*argv) -> str:
+        capsys.readouterr()
+        code = main([str(a) for a in argv])
+        out = capsys.readouterr()
+        assert code == 0, out.err[-2000:]
+        return out.out
+
+    return run

@@ -11,23 +11,13 @@ BIAS = ("model.moe.expert_bias=true", "model.moe.bias_update_rate=0.05", "train.
         "train.checkpoint_every=3")
 
 
-def run_cli(argv, capsys) -> str:
-    from nagmoe.cli import main
-
-    capsys.readouterr()
-    code = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    assert code == 0, out.err[-2000:]
-    return out.out
-
-
 def routing(model, idx):
     with torch.no_grad():
         model(idx)
     return [layer.last_stats["tokens_per_expert"].tolist() for layer in moe_layers(model)]
 
 
-def test_eval_generate_analyze_and_consolidate_read_the_bias(micro_config, tmp_path, capsys):
+def test_eval_generate_analyze_and_consolidate_read_the_bias(micro_config, tmp_path, nagmoe_cli):
     from nagmoe.checkpoint.consolidate import load_consolidated, load_consolidated_model
     from nagmoe.eval.generate import load_run
     from nagmoe.train.trainer import Trainer
@@ -47,12 +37,12 @@ def test_eval_generate_analyze_and_consolidate_read_the_bias(micro_config, tmp_p
             layer.expert_bias.zero_()
     assert routing(loaded, idx) != with_b  # b changes the routing here, so reading it matters
 
-    run_cli(["eval", "--run-dir", run_dir, "--offline-items", "8", "--out", tmp_path / "eval.json"], capsys)
-    assert run_cli(["generate", "--run-dir", run_dir, "--prompt", "ROMEO:", "--max-new-tokens", "8"], capsys)
-    run_cli(["analyze", "--run-dir", run_dir, "--out", tmp_path / "analysis.json", "--tokens", "512"], capsys)
+    nagmoe_cli("eval", "--run-dir", run_dir, "--offline-items", "8", "--out", tmp_path / "eval.json")
+    assert nagmoe_cli("generate", "--run-dir", run_dir, "--prompt", "ROMEO:", "--max-new-tokens", "8")
+    nagmoe_cli("analyze", "--run-dir", run_dir, "--out", tmp_path / "analysis.json", "--tokens", "512")
     with open(tmp_path / "analysis.json") as f:
         assert json.load(f)["router"]["load"]
-    out = run_cli(["consolidate", run_dir], capsys).strip()
+    out = nagmoe_cli("consolidate", run_dir).strip()
     _, state = load_consolidated(out)
     assert torch.equal(torch.stack([state[f"blocks.{i}.ffn.expert_bias"] for i in range(2)]), trained)
     _, model = load_consolidated_model(out)

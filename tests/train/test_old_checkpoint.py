@@ -17,16 +17,6 @@ OLD = "c9620be"
 pytestmark = pytest.mark.slow
 
 
-def run_cli(argv, capsys) -> str:
-    from nagmoe.cli import main
-
-    capsys.readouterr()
-    code = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    assert code == 0, out.err[-2000:]
-    return out.out
-
-
 @pytest.fixture(scope="module")
 def old_run(request, tmp_path_factory):
     """(run dir, train arguments): 2 steps and a checkpoint written by c9620be's code."""
@@ -53,7 +43,7 @@ def old_run(request, tmp_path_factory):
     return str(run_dir), args
 
 
-def test_an_old_checkpoint_evaluates_consolidates_and_resumes(old_run, tmp_path, capsys):
+def test_an_old_checkpoint_evaluates_consolidates_and_resumes(old_run, tmp_path, nagmoe_cli):
     import torch
 
     from nagmoe.checkpoint import latest_valid_checkpoint
@@ -65,18 +55,18 @@ def test_an_old_checkpoint_evaluates_consolidates_and_resumes(old_run, tmp_path,
     assert latest_valid_checkpoint(run_dir).endswith("step_000002")
     cfg = read_saved_config(run_dir)
     assert cfg.model.moe.expert_bias is False and cfg.model.moe.lb_granularity == "micro_batch"
-    run_cli(["eval", "--run-dir", run_dir, "--offline-items", "8", "--out", tmp_path / "eval.json"], capsys)
+    nagmoe_cli("eval", "--run-dir", run_dir, "--offline-items", "8", "--out", tmp_path / "eval.json")
     with open(tmp_path / "eval.json") as f:
         evaluation = json.load(f)
     assert evaluation["checkpoint"].endswith("step_000002") and evaluation["tasks"]
-    out = run_cli(["consolidate", run_dir], capsys).strip()
+    out = nagmoe_cli("consolidate", run_dir).strip()
     _, state = load_consolidated(out)
     assert not any("expert_bias" in k for k in state) and "blocks.0.ffn.w_in" in state
     # resume to step 4 with today's code and the old config file's arguments (today's config file)
     new_args = [a if not a.endswith(os.path.join("configs", "tiny.yaml")) else os.path.join(REPO, "configs",
                                                                                               "tiny.yaml")
                 for a in args]
-    run_cli(["train", "--run-dir", run_dir, *new_args, "train.max_steps=4"], capsys)
+    nagmoe_cli("train", "--run-dir", run_dir, *new_args, "train.max_steps=4")
     steps = [r["step"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "loss" in r]
     assert steps == [1, 2, 3, 4]
     with open(os.path.join(run_dir, "run_info.json")) as f:
