@@ -193,10 +193,7 @@ def native_outputs(model, ids_BT: torch.Tensor) -> dict:
         ffn = block.ffn
         if hasattr(ffn, "router"):
             def grab(module, args, logits, key=f"choices.{2 * i + 1}", layer=ffn):
-                key_NE = logits.softmax(-1)  # the selection key: probabilities (+ the expert bias when on)
-                if getattr(layer, "expert_bias", None) is not None:
-                    key_NE = key_NE + layer.expert_bias
-                out[key] = key_NE.topk(layer.top_k, dim=-1).indices
+                out[key] = layer.select_experts(logits.softmax(-1))
             hooks.append(ffn.router.register_forward_hook(grab))
     mod = model.mod_calibrator()
     original = None

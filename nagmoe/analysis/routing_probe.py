@@ -98,10 +98,9 @@ def probe(residual: str, gate_grad: str, seed: int, oracle_steps: int = 300, rou
 
     x, y = _batch(table, torch.Generator().manual_seed(99), rows=64)
     routed = {}
-    bias = torch.zeros(EXPERTS) if layer.expert_bias is None else layer.expert_bias.clone()
-    # the chosen expert: top-1 of the probabilities plus b (b = 0 without the bias: the argmax of the logits)
+    # the chosen expert: the layer's own top-1 choice (of the probabilities, plus b with the bias)
     hook = router.register_forward_hook(
-        lambda m, i, o: routed.__setitem__("expert", (o.float().softmax(-1) + bias).argmax(-1)))
+        lambda m, i, o: routed.__setitem__("expert", layer.select_experts(o.float().softmax(-1))[:, 0]))
     with torch.no_grad():
         held_out = float(model(x, y).loss)
     hook.remove()

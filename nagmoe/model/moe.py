@@ -184,6 +184,13 @@ class MoELayer(nn.Module):
         self.expert_bias.sub_(self.expert_bias.mean())
         return sign_E
 
+    def select_experts(self, probs_NE: torch.Tensor) -> torch.Tensor:
+        """(N, K) the chosen experts: the top-k of the router probabilities plus the expert bias when on (selection
+        only, no gradient). The forward chooses through it, and so do the readers that replay a choice from the
+        router's logits (the export's check, the routing probe)."""
+        key_NE = probs_NE.detach() if self.expert_bias is None else probs_NE.detach() + self.expert_bias
+        return key_NE.topk(self.top_k, dim=-1).indices
+
     def init_weights(self, init: ParamInit) -> None:
         """Router and w_in uniform with std init_std (bound sqrt(3)·std), like a linear layer reading a unit-RMS
         input; w_out zero. Seeded (nagmoe/model/init_rng.py): one generator per global expert of w_in."""
@@ -239,7 +246,7 @@ class MoELayer(nn.Module):
         if self.expert_bias is None:
             gate_NK, expert_NK = probs_NE.topk(K, dim=-1)  # not renormalised over the k (module docstring)
         else:  # the bias moves the selection only; the gates are the unbiased probabilities of the chosen experts
-            expert_NK = (probs_NE.detach() + self.expert_bias).topk(K, dim=-1).indices
+            expert_NK = self.select_experts(probs_NE)
             gate_NK = probs_NE.gather(1, expert_NK)
             unbiased_NK = probs_NE.detach().topk(K, dim=-1).indices
             rerouted = K * N - (expert_NK.unsqueeze(-1) == unbiased_NK.unsqueeze(1)).any(-1).sum()

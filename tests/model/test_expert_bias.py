@@ -141,3 +141,23 @@ def test_a_saved_config_without_the_keys_reads_the_bias_off():
 
     cfg = config_from_dict({"model": {"ffn": "moe"}}, legacy=True)
     assert cfg.model.moe.expert_bias is False
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_select_experts_is_the_forwards_choice(bias):
+    """The one place the choice is made (the export's check and the routing probe replay it from the router's
+    logits): its per-expert counts are the forward's, and with b it is the top-k of probs + b."""
+    m = layer(bias=bias)
+    if bias:
+        with torch.no_grad():
+            m.expert_bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(1)) * 0.2)
+    x = torch.randn(2, 6, D)
+    m(x)
+    probs = m.router(x.reshape(-1, D)).softmax(-1)
+    chosen = m.select_experts(probs)
+    assert chosen.shape == (12, K)
+    assert torch.bincount(chosen.reshape(-1), minlength=E).tolist() == m.last_stats["tokens_per_expert"].tolist()
+    want = (probs + (m.expert_bias if bias else 0.0)).topk(K, -1).indices
+    assert torch.equal(chosen, want)
+    if bias:
+        assert not torch.equal(chosen, probs.topk(K, -1).indices)  # b changed a choice: the check can fail
