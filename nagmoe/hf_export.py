@@ -54,7 +54,8 @@ def layout_of(model) -> dict:
     out = {"n_heads": attn.n_heads, "n_kv_heads": attn.n_kv_heads, "head_dim": attn.head_dim,
            "rot_dims": attn.rot_dims, "rope_base": float(attn.rope_base),
            "qk_norm": bool(getattr(attn, "qk_norm", False)),
-           "use_convs": bool(getattr(attn, "use_convs", False)), "use_qk_mean": bool(getattr(attn, "use_qk_mean", False)),
+           "use_convs": bool(getattr(attn, "use_convs", False)),
+           "use_qk_mean": bool(getattr(attn, "use_qk_mean", False)),
            "use_value_shift": bool(getattr(attn, "use_value_shift", False)),
            "conv_kernel_1": a.conv_kernel_1, "conv_kernel_2": a.conv_kernel_2,
            "ffn_hidden": ffn.hidden, "expert_bias": getattr(ffn, "expert_bias", None) is not None}
@@ -145,7 +146,7 @@ def model_card(run, hf_cfg, source: dict, dtype: str) -> str:
 
 
 def _source(run, run_dir: str, checkpoint: str, skip_rate: Optional[float]) -> dict:
-    from nagmoe.checkpoint.files import sha256_and_sync
+    from nagmoe.checkpoint.files import read_checkpoint_state, sha256_and_sync
     from nagmoe.checkpoint.run_dir import git_commit, read_run_info, read_summary
 
     manifest = os.path.join(checkpoint, "manifest.json")
@@ -153,8 +154,6 @@ def _source(run, run_dir: str, checkpoint: str, skip_rate: Optional[float]) -> d
     info = read_run_info(run_dir) or {}
     state_step = None
     try:
-        from nagmoe.checkpoint.files import read_checkpoint_state
-
         state_step = read_checkpoint_state(checkpoint).get("step")
     except UserError:
         pass

@@ -260,11 +260,12 @@ LEGACY_VALUES = {
     "model.moe.bias_update_rate": 1e-3,
     "model.moe.lb_granularity": "micro_batch",
 }
-# Keys that may change when a run resumes (the schedule length), per the design contract.
+# Keys that may change when a run resumes (the schedule length), per the design contract; also switchable
+# mid-run: logging, checkpoint timing and keeping, the export at the end, and the expert bias's rate (0 freezes
+# b, as DeepSeek-V3 ends).
 RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every",
                   "train.keep_checkpoints", "log.wandb", "train.checkpoint_every_minutes",
-                  "train.keep_milestone_every_tokens",
-                  "train.export_hf_at_end", "model.moe.bias_update_rate")  # logging, checkpoint timing/keeping, the export: switchable mid-run
+                  "train.keep_milestone_every_tokens", "train.export_hf_at_end", "model.moe.bias_update_rate")
 # Keys of the parallel layout that may change too (issue 25): the torch engine reshards a checkpoint on load
 # (nagmoe.checkpoint.torch_layout), so a run resumes on another world size, EP degree or micro-batch; the
 # global batch (train.batch_tokens) may not change. train.compile (issue 26) changes how the step runs, not

@@ -18,7 +18,8 @@ from nagmoe.eval.task_specs import DECISIONS, OFFLINE_TASK, resolve_device, reso
 def add_arguments(p):
     p.add_argument("--run-dir", required=True, help="a training run dir (config.yaml + checkpoints/)")
     p.add_argument("--tasks", nargs="+", default=None, metavar="SPEC",
-                   help="'shakespeare' (offline next-line task; the default), a task .jsonl, or a CORE bundle directory")
+                   help="'shakespeare' (offline next-line task; the default), a task .jsonl, "
+                        "or a CORE bundle directory")
     p.add_argument("--decision", default="mean", choices=DECISIONS,
                    help="an option's score: mean token loss (CORE, default) or summed loss (lm-eval's acc)")
     p.add_argument("--lm-eval", nargs="+", default=None, metavar="TASK",

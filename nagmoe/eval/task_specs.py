@@ -8,7 +8,8 @@ import os
 from nagmoe.errors import UserError
 
 OFFLINE_TASK = "shakespeare"
-DECISIONS = ("mean", "sum")  # an option's score: its mean token loss (nanochat's CORE) or its summed loss (lm-eval's acc)
+# an option's score: its mean token loss (nanochat's CORE) or its summed loss (lm-eval's acc)
+DECISIONS = ("mean", "sum")
 
 
 def resolve_tasks(specs: list[str], val_fraction: float, offline_items: int = 200, seed: int = 0) -> list:
