@@ -181,13 +181,11 @@ def measure_balance(config: str, steps: int, overrides=(), work: str = None, cap
             run = balance_run(cfg, os.path.join(work, name.replace("/", "_")), steps, routing == "round_robin")
             logs = [None] * world
             dist.all_gather_object(logs, run["log"])
-            report, received = run["report"], []
-            for step in range(steps):
-                for layer in range(len(logs[0][0])):
-                    received.append(imbalance([logs[r][step][layer]["received"] for r in range(world)]))
+            report = run["report"]
+            traffic = traffic_report(logs, cfg.model.moe.top_k, cfg.train.batch_tokens // world)
             timed = run["times"][2:] or run["times"]
             out[name] = {
-                "ep_received_max_over_mean": summarise(received),
+                "ep_received_max_over_mean": traffic["received_max_over_mean"],
                 "receive_peak_over_mean": report.get("receive_peak_over_mean"),
                 "receive_peak_rows": report.get("receive_peak_rows"),
                 "expert_max_over_mean_worst_layer": report["max_over_mean_max"],
