@@ -74,21 +74,27 @@ NUMBER_OR_NULL_FIELDS = ("loss", "val_bpb", "tokens_per_s", "skip_rate", "lr_mul
 def _lines(path: str):
     """(where, line, record) of each line of `path` (UTF-8, streamed), parsed; a torn last line (invalid JSON
     without its newline: what a crash mid-append leaves) is skipped. Any other line that is not a JSON object —
-    corruption, not a crash — is a UserError naming the file and line; so is nesting too deep."""
+    corruption, not a crash — is a UserError naming the file and line; so is nesting too deep.
+
+    A line read without its newline was the end of the file when it was read, so the reading ends there: a
+    trainer may be appending the rest of it right now (a live run read by a monitor or a test), and what it
+    appends after that moment is not this reading's."""
     try:
         with open(path, encoding="utf-8", newline="") as f:
             number, line = 0, f.readline()
             while line:
-                number, following = number + 1, f.readline()
+                number += 1
                 where = f"{shown(path)} line {number}"
                 try:
                     record = loads_json(line, where)
                 except UserError:
-                    if following or line.endswith("\n") or not _is_torn(line):
+                    if line.endswith("\n") or not _is_torn(line):
                         raise
-                else:
-                    yield where, line, expect_object(record, where)
-                line = following
+                    return  # torn: the last line of this reading
+                yield where, line, expect_object(record, where)
+                if not line.endswith("\n"):
+                    return
+                line = f.readline()
     except UnicodeDecodeError as e:
         raise UserError(f"{shown(path)}: not UTF-8 text (after line {number})") from None
     except OSError as e:

@@ -46,3 +46,41 @@ def test_truncate_drops_later_steps_and_torn_line(tmp_path):
     assert [r["step"] for r in read_metrics(str(path))] == [1, 2, 3, 4, 5]
     assert truncate_metrics(str(tmp_path / "missing.jsonl"), 3) == 0
     assert not (tmp_path / "missing.jsonl").exists()
+
+
+def test_a_line_the_trainer_completes_while_it_is_read_is_not_corruption(tmp_path, monkeypatch):
+    """A monitor reads metrics.jsonl of a live run: the last line is half written when it is read and the
+    trainer appends the rest (and the next line) before the reader asks for more. The reading is the file as it
+    was at its end: the records before, the half line skipped as torn, never a 'not valid JSON' error. The
+    writer's append is arranged to fall in exactly that moment (a real file, written by a second handle)."""
+    import builtins
+
+    import nagmoe.train.metrics as metrics_module
+
+    path = tmp_path / METRICS_FILE
+    full = [json.dumps({"step": s, "tokens": 512 * s, "flops": 1.0 * s, "loss": 3.0}) + "\n" for s in (1, 2, 3)]
+    cut = len(full[1]) // 2
+    path.write_text(full[0] + full[1][:cut])
+
+    class ReadWhileWritten:
+        def __init__(self, f):
+            self.f = f
+
+        def readline(self):
+            line = self.f.readline()
+            if line == full[1][:cut]:  # the reader is at the end of the half line: the trainer finishes it
+                with open(path, "a") as writer:
+                    writer.write(full[1][cut:] + full[2])
+            return line
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(metrics_module, "open", lambda *a, **k: ReadWhileWritten(builtins.open(*a, **k)),
+                        raising=False)
+    assert [r["step"] for r in read_metrics(str(path))] == [1]
+    monkeypatch.undo()
+    assert [r["step"] for r in read_metrics(str(path))] == [1, 2, 3]  # the next reading sees it all
