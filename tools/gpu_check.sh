@@ -41,8 +41,8 @@ for var in GPU_CHECK_BUDGET $(compgen -v GPU_CHECK_LIMIT_); do  # names only: co
     printf 'tools/gpu_check.sh: %s=%q must be a whole number of seconds\n' "$var" "${!var:0:60}" >&2; exit 2
   fi
 done
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$REPO"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" || exit 1
+cd "$REPO" || exit 1
 PY="${PYTHON:-python3}"
 RESULTS="${GPU_CHECK_OUT:-${OUT:-$(mktemp -d)}}"
 mkdir -p "$RESULTS"
@@ -54,19 +54,27 @@ trap 'rm -rf "$BLOCK" "$WORK"' EXIT
 cat > "$BLOCK/sitecustomize.py" <<'PYEOF'
 import sys
 
-_HIDDEN = ("datasets", "wandb", "deepspeed")
+_HIDDEN = ("datasets", "wandb", "deepspeed", "transformers", "lm_eval", "flash_attn", "megablocks", "grouped_gemm")
 
 
-class _Hide:
-    """Makes `import datasets|wandb|deepspeed` fail as on a machine without them."""
+class _Without:
+    """One finder of sys.meta_path that does not find the packages of _HIDDEN: with every finder wrapped, they are
+    missing as on the GPU machine (`import` raises ModuleNotFoundError, importlib.util.find_spec returns None)."""
+
+    def __init__(self, finder):
+        self._finder = finder
 
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in _HIDDEN:
-            raise ImportError(f"{name} is hidden by tools/gpu_check.sh (absent on the GPU machine)")
-        return None
+        if name.partition(".")[0] in _HIDDEN:
+            return None
+        find = getattr(self._finder, "find_spec", None)
+        return None if find is None else find(name, path, target)
+
+    def __getattr__(self, attr):  # invalidate_caches and the rest: the finder's own
+        return getattr(self._finder, attr)
 
 
-sys.meta_path.insert(0, _Hide())
+sys.meta_path[:] = [_Without(f) for f in sys.meta_path]
 PYEOF
 export PYTHONPATH="$BLOCK:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
@@ -76,10 +84,10 @@ if [[ $MODE == cpu ]]; then
   # meets the dtypes the GPU run will meet. NAGMOE_CUDA_RULES= (empty) runs plain fp32.
   export NAGMOE_CUDA_RULES="${NAGMOE_CUDA_RULES-2.11}"
   BUDGET=$((10#${GPU_CHECK_BUDGET:-200}))  # 10#: 08 is eight, not an octal error
-  SECTIONS=(data:15 train_baseline:30 train_nag:25 train_nag_mod20:25 resume:35 mod_block:20 env:15 tests:20 dcp:15)
+  SECTIONS=(env:15 data:15 train_nag:30 train_baseline:25 train_nag_mod20:25 mod_block:20 resume:35 tests:20 dcp:15)
 else
   BUDGET=$((10#${GPU_CHECK_BUDGET:-350}))  # + at most 5 s of a last kill and the summary: under 6 minutes
-  SECTIONS=(install:30 data:25 train_baseline:70 train_nag:45 train_nag_mod20:45 resume:35 mod_block:30 env:20
+  SECTIONS=(install:30 env:20 data:25 train_nag:70 train_baseline:45 train_nag_mod20:45 mod_block:30 resume:35
             tests:35 dcp:15)
 fi
 # compiled kernels shared between the section processes (inductor's FX graph and Triton caches)

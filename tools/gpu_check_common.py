@@ -70,11 +70,14 @@ def one_line(e: BaseException) -> str:
 
 class Ctx:
     """What a section gets: the mode, the results folder, a scratch folder, its time limit (the shell kills it
-    there; None when run by hand), and `partial` to keep results written so far should it be killed later."""
+    there; None when run by hand), and `partial` to keep results written so far should it be killed later. A
+partial keeps what the section's entry held (the limit, a compile error) beside the newest result."""
 
-    def __init__(self, name: str, mode: str, out: str, work: str, limit=None):
+    def __init__(self, name: str, mode: str, out: str, work: str, limit=None, eager: bool = False):
         self.name, self.mode, self.out, self.work, self.t0 = name, mode, out, work, time.time()
-        self.limit = limit
+        self.limit, self.eager = limit, eager  # eager: this process is a training section's eager fallback
+        if eager and os.environ.get("GPU_CHECK_T0"):  # the section's clock and limit started in its first process
+            self.t0 = float(os.environ["GPU_CHECK_T0"])
 
     def seconds_left(self):
         return None if self.limit is None else self.limit - (time.time() - self.t0)
@@ -85,5 +88,7 @@ class Ctx:
         save(self.out, data)
 
     def partial(self, result: dict) -> None:
+        old = load(self.out)["sections"].get(self.name, {})
+        kept = {k: v for k, v in old.get("result", {}).items() if k not in result} if old.get("result") else {}
         put(self.out, self.name, {"status": "running", "seconds": round(time.time() - self.t0, 1),
-                                  "result": finite(result)})
+                                  "limit": self.limit, "result": finite({**kept, **result})})

@@ -31,7 +31,9 @@ import traceback
 
 from gpu_check_common import BENCH, REPO, Ctx, SectionFailed, finite, load, one_line, put, save
 
-HIDDEN = ("datasets", "wandb", "deepspeed")  # absent on the GPU machine; tools/gpu_check.sh hides them here too
+# absent on the GPU machine (its image: torch, numpy, pyyaml, tokenizers, tqdm, pytest); tools/gpu_check.sh hides
+# them here too, as not found (import fails with ModuleNotFoundError, importlib.util.find_spec returns None)
+HIDDEN = ("datasets", "wandb", "deepspeed", "transformers", "lm_eval", "flash_attn", "megablocks", "grouped_gemm")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -47,15 +49,19 @@ def section_install(ctx: Ctx) -> dict:
 
 
 def section_env(ctx: Ctx) -> dict:
-    """The blocker is active, the package imports, and what this machine has."""
+    """The blocker is active, the package imports, what this machine has and, on a GPU, the real per-op autocast
+    dtypes: saved the moment they are probed (a second of GPU work; the first answer only a GPU gives). Comparing
+    them with nagmoe's CPU stand-in of those rules is offline work for a CPU:
+    `python -m nagmoe.cuda_rules.probe --mode tier --rules 2.11 --compare bench.json`."""
     import importlib.util
 
     for name in HIDDEN:
         try:
-            __import__(name)
-        except ImportError:
-            continue
-        raise RuntimeError(f"{name} imported: the blocker of tools/gpu_check.sh is not active")
+            found = importlib.util.find_spec(name)
+        except (ImportError, ValueError) as e:
+            raise RuntimeError(f"find_spec({name!r}) raised {one_line(e)}: a missing package returns None") from e
+        if found is not None:
+            raise RuntimeError(f"{name} is importable: the blocker of tools/gpu_check.sh is not active")
     import torch
 
     import nagmoe.flops  # noqa: F401 (import check)
@@ -66,17 +72,14 @@ def section_env(ctx: Ctx) -> dict:
     cuda = torch.cuda.is_available()
     ctx.note_machine(torch=torch.__version__, device=torch.cuda.get_device_name(0) if cuda else "cpu")
     autocast = {"cuda_registrations": sorted(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA"))}
+    ctx.partial({"autocast": autocast})
     if cuda:  # the ground truth for nagmoe/cuda_rules/table.py's table of this torch: per-op dtypes on the real GPU
         from nagmoe.cuda_rules.probe import probe
-        from nagmoe.cuda_rules.table import rules_for
 
-        autocast["dtype_probe"] = real = probe("cuda")
-        try:
-            rules_for(torch.__version__)  # no table for this torch: the dump above is the material for one
-            tier = probe("tier", torch.__version__)
-            autocast["tier_disagrees"] = {k: {"cuda": real[k], "tier": tier[k]} for k in real if real[k] != tier[k]}
-        except Exception as e:  # noqa: BLE001 (recorded, the section still reports the rest)
-            autocast["tier_error"] = one_line(e)
+        t0 = time.time()
+        autocast["dtype_probe"] = probe("cuda")
+        autocast["dtype_probe_seconds"] = round(time.time() - t0, 2)
+        ctx.partial({"autocast": autocast})
     return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "autocast": autocast, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
             "capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
@@ -84,16 +87,21 @@ def section_env(ctx: Ctx) -> dict:
 
 
 def section_tests(ctx: Ctx) -> dict:
-    """The gpu-marked tests under tests/gpu/ (by path: collecting the whole suite costs more than they do)."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests/gpu/"],
-                          cwd=REPO, capture_output=True, text=True)
+    """The gpu-marked tests under tests/gpu/ (by path: collecting the whole suite costs more than they do; their CPU
+    stand-ins beside them run in the suite)."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "-m", "gpu", "tests/gpu/"],
+                          cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "400"})  # the short summary keeps each error's words
     sys.stdout.write(proc.stdout[-6000:] + proc.stderr[-2000:])
     lines = proc.stdout.strip().splitlines()
     tail = lines[-1] if lines else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|xfailed)", tail)}
+    # each failure's test and first line of its error (pytest's short summary), for the JSON
+    failures = [line[:300] for line in lines if line.startswith(("FAILED ", "ERROR "))][:20]
+    result = {"summary": tail, **counts, **({"failures": failures} if failures else {})}
     if proc.returncode not in (0, 5):  # 5: nothing collected
-        raise SectionFailed(f"pytest tests/gpu/ exited {proc.returncode}: {tail}", {"summary": tail, **counts})
-    return {"summary": tail, **counts}
+        raise SectionFailed(f"pytest tests/gpu/ exited {proc.returncode}: {tail}", result)
+    return result
 
 
 def section_dcp(ctx: Ctx) -> dict:
@@ -108,8 +116,9 @@ def section_dcp(ctx: Ctx) -> dict:
     from nagmoe.config import load_config
     from nagmoe.model import build_model
 
+    # a CPU model: NAG's eager maths (auto is eager for CPU tensors too; said here so no compile can creep in)
     cfg = load_config(os.path.join(REPO, "configs/tiny.yaml"),
-                      ["model.d_model=32", "model.n_layers=1", "model.vocab_size=256"])
+                      ["model.d_model=32", "model.n_layers=1", "model.vocab_size=256", "model.nag.impl=eager"])
     model = build_model(cfg.model)
     optim = torch.optim.AdamW(model.parameters())
     model(torch.randint(0, 256, (1, 16)), torch.randint(0, 256, (1, 16))).loss.backward()
@@ -165,8 +174,11 @@ def cmd_init(args) -> int:
 
 
 def cmd_run(args) -> int:
-    ctx = Ctx(args.name, args.mode, args.out, args.work, args.limit)
-    put(args.out, args.name, {"status": "running", "limit": args.limit})
+    from gpu_check_train import Delegated
+
+    ctx = Ctx(args.name, args.mode, args.out, args.work, args.limit, eager=args.eager)
+    if not args.eager:  # the eager fallback keeps what its compiled try recorded (the compile error)
+        put(args.out, args.name, {"status": "running", "limit": args.limit})
     fail, hang = ({s.strip() for s in os.environ.get(v, "").split(",")} for v in ("GPU_CHECK_FAIL", "GPU_CHECK_HANG"))
     if args.name in hang:  # until the shell's time limit kills it
         time.sleep(3600)
@@ -176,6 +188,8 @@ def cmd_run(args) -> int:
             raise RuntimeError(f"deliberate failure (GPU_CHECK_FAIL={os.environ['GPU_CHECK_FAIL']})")
         result = sections()[args.name](ctx)
         entry = {"status": "ok", **({"result": result} if result else {})}
+    except Delegated as e:  # the fresh eager process wrote this section's entry
+        return e.rc
     except BaseException as e:  # noqa: BLE001 (every failure is recorded; KeyboardInterrupt too)
         traceback.print_exc()
         entry = {"status": "failed", "error": one_line(e),
@@ -263,6 +277,7 @@ def main(argv=None) -> int:
             p.add_argument("--budget", type=float, default=None, help="the script's budget (s)")
         if name == "run":
             p.add_argument("--work", required=True)
+            p.add_argument("--eager", action="store_true", help="a training section's eager fallback (internal)")
         if name in ("run", "record"):
             p.add_argument("--limit", type=float, default=None, help="the section's time limit (s)")
         if name == "record":

@@ -15,8 +15,12 @@
                    baseline and MoD's wall-clock speed-up against its FLOP gain.
   resume           a 4-layer nag-mod20-r40: 4 steps straight, and 2 steps then a resume to 4 (run dirs,
                    checkpoints and metrics.jsonl as `nagmoe train` writes them): the per-step losses must match.
-`train.compile` is the config's; when compiling fails the config runs again eager, recorded as "eager fallback"
-with the error, if the section's time allows. On a GPU other than sm90/sm100 (H100/H200, B200) a warning is
+`train.compile` is the config's; when compiling fails, the compile error is written into bench.json at once and
+the config runs again eager (train.compile=false model.nag.impl=eager) in a fresh process within what is left of
+the section's limit, recorded as "eager fallback" with the error; on CUDA its memory refusal takes the committed
+estimate (estimating at paper width costs minutes of host CPU). After every step the steps so far are written
+(a section killed at its limit keeps them); the bf16 matmul peak is measured after the training.
+On a GPU other than sm90/sm100 (H100/H200, B200) a warning is
 recorded: `torch._grouped_mm` has its fast kernel there only; elsewhere it loops over the experts with a host sync
 per call. --cpu mode: the same at tiny width (d_model 64, 2 layers, vocabulary 512), the estimate computed here.
 """
@@ -107,10 +111,26 @@ def free_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+EAGER = ["train.compile=false", "model.nag.impl=eager"]  # the fallback: nothing compiled, NAG's eager maths too
+
+
+class Delegated(Exception):
+    """The section's answer was written by the fresh process its eager fallback ran in (exit code `rc`)."""
+
+    def __init__(self, rc: int):
+        super().__init__(f"eager fallback exited {rc}")
+        self.rc = rc
+
+
 def with_eager_fallback(ctx, cfg_for, run, device) -> dict:
-    """run(extra overrides, run-dir suffix) with the config's train.compile; if that compiles and fails, once
-    more eager (train.compile=false) when at least half of the section's time limit is left (a failure late in
-    the limit would only be killed part-way). cfg_for(extra) loads the config."""
+    """run(extra overrides, run-dir suffix) with the config's train.compile. If that compiles and fails, the
+    compile error goes into bench.json at once, and the config runs again eager (EAGER) in a fresh process: a
+    sticky CUDA error can poison this one, and dynamo's state with it. That process (`ctx.eager`, started by
+    `eager_in_fresh_process`) writes the section's entry itself. cfg_for(extra) loads the config."""
+    if ctx.eager:
+        said = {"compile": "eager fallback", "compile_error": os.environ.get("GPU_CHECK_COMPILE_ERROR")}
+        ctx.partial(said)  # should the eager run fail too, the entry says which try it was
+        return {**said, **run(EAGER, "-eager")}
     if not compiles(cfg_for([]), device):
         return {"compile": "off", **run([], "")}
     try:
@@ -118,15 +138,32 @@ def with_eager_fallback(ctx, cfg_for, run, device) -> dict:
     except Exception as e:  # noqa: BLE001 (any failure under compile earns the eager try)
         traceback.print_exc()
         error = one_line(e)
-    left = ctx.seconds_left()
-    if left is not None and left < ctx.limit / 2:
-        raise RuntimeError(f"compiled run failed ({error}); {left:.0f} s of the section's {ctx.limit} s left: "
-                           "no eager rerun")
-    import torch._dynamo
+    ctx.partial({"compile": "on", "compile_error": error})  # kept whatever the fallback does
+    raise Delegated(eager_in_fresh_process(ctx, error))
 
-    free_memory()
-    torch._dynamo.reset()
-    return {"compile": "eager fallback", "compile_error": error, **run(["train.compile=false"], "-eager")}
+
+def eager_in_fresh_process(ctx, error: str) -> int:
+    """Runs this section again with `--eager` in a new process, within what is left of its limit; returns its
+    exit code. A fallback killed here leaves its partial results and a timeout status."""
+    import subprocess
+    import sys
+
+    left = ctx.seconds_left()
+    cmd = [sys.executable, os.path.join(REPO, "tools", "gpu_check_sections.py"), "run", ctx.name, "--eager",
+           "--out", ctx.out, "--work", ctx.work, "--mode", ctx.mode]
+    if ctx.limit is not None:
+        cmd += ["--limit", f"{ctx.limit:g}"]
+    print(f"[gpu_check] {ctx.name}: compiled run failed ({error}); eager fallback in a fresh process", flush=True)
+    try:
+        env = {**os.environ, "GPU_CHECK_COMPILE_ERROR": error, "GPU_CHECK_T0": repr(ctx.t0)}
+        return subprocess.run(cmd, env=env, timeout=None if left is None else max(left - 3, 1)).returncode
+    except subprocess.TimeoutExpired:
+        from gpu_check_common import put, load
+
+        entry = load(ctx.out)["sections"].get(ctx.name, {})
+        put(ctx.out, ctx.name, {**entry, "status": "timeout", "error": f"eager fallback killed at the "
+                                f"section's limit (compile error: {error})"})
+        return 124
 
 
 FAST_GROUPED_MM = (9, 10)  # compute capability majors where torch._grouped_mm has its kernel: sm90 (H100/H200), sm100
@@ -228,7 +265,9 @@ def memory_estimate(key: str, cfg, device) -> dict:
     return {"source": "computed here", "bytes": est["total"], "cuda_rules": est["layout"]["cuda_rules"]}
 
 
-def train_config(key: str, cfg, run_dir: str, s: dict, device, matmul: float, peak) -> dict:
+def train_config(ctx, key: str, cfg, run_dir: str, s: dict, device, peak) -> dict:
+    """Trains `cfg` s["steps"] steps one `train_step` at a time; after each step the rows so far go into bench.json
+    (`ctx.partial`), so a section killed at its limit keeps the compile time and every step it timed."""
     import torch
 
     from nagmoe.cuda_rules.contracts import KernelContracts
@@ -238,7 +277,10 @@ def train_config(key: str, cfg, run_dir: str, s: dict, device, matmul: float, pe
     estimate = memory_estimate(key, cfg, device)
     free_memory()
     before = torch.cuda.memory_allocated() if device.type == "cuda" else None  # what an earlier config left
-    trainer = Trainer(cfg, run_dir)  # not quiet: its device, backends and accumulation go to the log
+    eager_cuda = device.type == "cuda" and not compiles(cfg, device)
+    # eager on CUDA: the trainer's memory refusal takes the committed estimate (0 when there is none: unchecked)
+    ahead = (estimate.get("bytes") or estimate.get("bytes_when_computed") or 0) if eager_cuda else None
+    trainer = Trainer(cfg, run_dir, eager_memory_estimate=ahead)  # not quiet: device, backends, accumulation logged
     rows, syncs, sites, dynamo0 = [], None, None, dynamo_counts()
     contracts = None  # compiled: the kernels (and their meta functions in the trace) check for themselves
     try:
@@ -264,6 +306,9 @@ def train_config(key: str, cfg, run_dir: str, s: dict, device, matmul: float, pe
                          "executed": None if executed is None else executed - sum(r["executed"] for r in rows),
                          "skip": rec.get("skip_rate"), "skip_tokens": rec.get("skip_rate_tokens"),
                          "fractions": rec.get("executed_fractions")})
+            ctx.partial({"config": key, "compile": "eager" if not trainer.compiled else "on",
+                         "steps_done": len(rows), "step_s": [r["s"] for r in rows],
+                         "losses": [r["loss"] for r in rows], "memory_estimate": estimate})
     finally:
         trainer.release_lease()
     timed = rows[s["timed_from"] - 1: s["steps"] - (device.type == "cuda")]
@@ -279,7 +324,6 @@ def train_config(key: str, cfg, run_dir: str, s: dict, device, matmul: float, pe
            "step_s": [r["s"] for r in rows], "timed_steps": [s["timed_from"], s["timed_from"] + len(timed) - 1],
            "step_s_median": step_s, "tokens_per_s": bt / step_s, "train_flops_per_token_matmul": fpt,
            "achieved_flops_per_s": achieved, "mfu_vs_datasheet": achieved / peak if peak else None,
-           "mfu_vs_measured_matmul": achieved / matmul,
            "peak_memory_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
            "peak_reserved_bytes": torch.cuda.max_memory_reserved() if device.type == "cuda" else None,
            "allocated_before_bytes": before,
@@ -310,7 +354,6 @@ def train_section(key: str):
 
         s = SIZES[ctx.mode]
         device, name, peak, warnings = device_info()
-        matmul = matmul_flops(device, s["matmul_n"])
         ctx.note_machine(torch=torch.__version__, device=name, **({"warnings": warnings} if warnings else {}))
         for w in warnings:
             print(f"WARNING: {w}", flush=True)
@@ -319,7 +362,11 @@ def train_section(key: str):
             return paper_config(key, ctx.mode, data_dir(ctx), extra)
 
         res = with_eager_fallback(ctx, cfg_for, lambda extra, suffix: train_config(
-            key, cfg_for(extra), fresh_dir(ctx, key + suffix), s, device, matmul["flops_per_s"], peak), device)
+            ctx, key, cfg_for(extra), fresh_dir(ctx, key + suffix), s, device, peak), device)
+        free_memory()
+        # the reachable bf16 peak after the training answer (a second of GPU time; the Trainer's answer first)
+        matmul = matmul_flops(device, s["matmul_n"])
+        res["mfu_vs_measured_matmul"] = res["achieved_flops_per_s"] / matmul["flops_per_s"]
         result = {"config": f"configs/paper/{PAPER[key]}.yaml", "device": name, "torch": torch.__version__,
                   "datasheet_peak_flops": peak, "matmul": matmul, "steps": s["steps"], "warnings": warnings,
                   "overrides": overrides(ctx.mode, data_dir(ctx)), **res}
@@ -361,14 +408,21 @@ def step_losses(run_dir: str) -> dict:
     return {r["step"]: r["loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))}
 
 
-def resume_runs(ctx, cfg_for, n: int, suffix: str) -> dict:
+def resume_runs(ctx, cfg_for, n: int, suffix: str, device) -> dict:
     from nagmoe.train.trainer import Trainer
 
+    # eager on CUDA: no refusal estimate (minutes of host CPU at paper width); 4 layers of r40 take a few GiB
+    ahead = 0 if device.type == "cuda" and not compiles(cfg_for([]), device) else None
+
+    def trainer(steps, run_dir):
+        return Trainer(cfg_for([f"train.max_steps={steps}"]), run_dir, quiet=True, eager_memory_estimate=ahead)
+
     straight, chained = fresh_dir(ctx, "straight" + suffix), fresh_dir(ctx, "chained" + suffix)
-    Trainer(cfg_for([f"train.max_steps={n}"]), straight, quiet=True).run()
-    Trainer(cfg_for([f"train.max_steps={n // 2}"]), chained, quiet=True).run()
+    trainer(n, straight).run()
+    ctx.partial({"losses_straight": list(step_losses(straight).values())})
+    trainer(n // 2, chained).run()
     free_memory()
-    resumed = Trainer(cfg_for([f"train.max_steps={n}"]), chained, quiet=True)
+    resumed = trainer(n, chained)
     resumed_at = resumed.progress.step
     resumed.run()
     return {"resumed_at_step": resumed_at, "straight": step_losses(straight), "chained": step_losses(chained)}
@@ -383,7 +437,7 @@ def section_resume(ctx) -> dict:
         return paper_config("nag_mod20", ctx.mode, data_dir(ctx), ["model.n_layers=4", *extra])
 
     res = with_eager_fallback(ctx, cfg_for, lambda extra, suffix: resume_runs(
-        ctx, lambda more: cfg_for([*extra, *more]), n, suffix), device)
+        ctx, lambda more: cfg_for([*extra, *more]), n, suffix, device), device)
     a, b = res.pop("straight"), res.pop("chained")
     rel = {step: abs(b[step] - a[step]) / max(abs(a[step]), 1e-12) for step in a if step in b}
     after = [rel[k] for k in rel if k > res["resumed_at_step"]]

@@ -3,8 +3,10 @@
     python -m nagmoe.cuda_rules.probe --mode cuda-fake            # real CUDA autocast, fake CUDA tensors
     python -m nagmoe.cuda_rules.probe --mode tier --rules 2.13   # CPU autocast + nagmoe's CUDA rules, fake CPU
     python -m nagmoe.cuda_rules.probe --mode cuda                # on a GPU: the ground truth for a table
+    python -m nagmoe.cuda_rules.probe --mode tier --rules 2.11 --compare bench.json   # a GPU's dump vs the tier
 
-Prints JSON {sample: {variant: "bfloat16,float32" | "error"}}. Variants: every floating input bf16 (`low`),
+Prints JSON {sample: {variant: "bfloat16,float32" | "error"}}; with --compare FILE (such a dump, or the bench.json of
+tools/gpu_check.sh, whose env section holds the GPU's), the samples where the two differ, and exit 1 if any do. Variants: every floating input bf16 (`low`),
 fp32 (`fp32`), or alternating bf16/fp32 (`mixed`, which tells `promote` from the others). Fake tensors have no
 data, so this runs on a CPU-only torch; it runs under no_grad (FakeTensorMode with autograd on CUDA fake tensors
 aborts the process). A sample's name is its aten op; `name+suffix` adds a case (an explicit `dtype`).
@@ -180,17 +182,18 @@ def probe(mode: str, rules: str | None = None) -> dict:
         region = lambda: cuda_rules_autocast(rules)  # noqa: E731
     else:
         region = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
-    for name in names:
-        results[name] = {}
-        for variant in VARIANTS:
-            with torch.no_grad(), (FakeTensorMode() if fake else contextlib.nullcontext()):
-                op_name, args, kwargs = _samples(_Maker(device, variant))[name]
+    results = {name: {} for name in names}
+    for variant in VARIANTS:  # the samples' inputs made once per variant (not per op: 366 times as many tensors)
+        with torch.no_grad(), (FakeTensorMode() if fake else contextlib.nullcontext()):
+            samples = _samples(_Maker(device, variant))
+            for name in names:
+                op_name, args, kwargs = samples[name]
                 try:
                     with _cuda_autocast_raw() if mode == "cuda-fake" else region():
                         results[name][variant] = _dtypes(_overload(op_name)(*args, **kwargs))
                 except Exception:  # an op this device cannot run, or a banned op: compared as such
                     results[name][variant] = "error"
-    return results
+    return {name: {v: results[name][v] for v in VARIANTS} for name in names}
 
 
 @contextlib.contextmanager
@@ -207,16 +210,47 @@ def _cuda_autocast_raw():
         torch.clear_autocast_cache()
 
 
+def read_dump(path: str) -> dict:
+    """A probe dump from `path`: the dump itself, or the GPU's inside a tools/gpu_check.sh bench.json."""
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, dict) and "sections" in data:
+        data = (((data["sections"].get("env") or {}).get("result") or {}).get("autocast") or {}).get("dtype_probe")
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ValueError(f"{path}: no probe dump (a bench.json without a GPU's env section?)")
+    return data
+
+
+def disagreements(reference: dict, other: dict) -> dict:
+    """{sample: {"reference": ..., "other": ...}} where the two dumps differ (a sample either lacks counts)."""
+    return {k: {"reference": reference.get(k), "other": other.get(k)}
+            for k in sorted(set(reference) | set(other)) if reference.get(k) != other.get(k)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="per-op dtypes under autocast (nagmoe.cuda_rules)")
     ap.add_argument("--mode", choices=("cuda-fake", "tier", "cuda"), required=True)
     ap.add_argument("--rules", default=None, help="torch version of the tier's table (mode tier)")
+    ap.add_argument("--compare", default=None, metavar="FILE", help="a dump (or bench.json) to compare with")
     args = ap.parse_args(argv)
     if args.mode == "tier" and not args.rules:
         ap.error("--mode tier needs --rules VERSION")
-    json.dump(probe(args.mode, args.rules), sys.stdout, indent=1, sort_keys=True)
+    reference = None
+    if args.compare:
+        try:
+            reference = read_dump(args.compare)
+        except (OSError, ValueError) as e:
+            print(f"probe: {str(e)[:300]}", file=sys.stderr)
+            return 2
+    result = probe(args.mode, args.rules)
+    if reference is None:
+        json.dump(result, sys.stdout, indent=1, sort_keys=True)
+        print()
+        return 0
+    diff = disagreements(reference, result)
+    json.dump({"compared": len(reference), "disagree": diff}, sys.stdout, indent=1, sort_keys=True)
     print()
-    return 0
+    return 1 if diff else 0
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from nagmoe.model.mod import eligible_sublayers
 from nagmoe.model.mod_calibration import MoDCalibrator
 from nagmoe.model.nag import modulator, rms_normalise, rotation_score
 from nagmoe.model.stats import StatsCollector, mean_angle, mean_log_rms, mean_rms
-from nagmoe.ops.nag_fused import NAGOps, resolve_nag_backend
+from nagmoe.ops.nag_fused import NAGOps
 
 _TINY = 1e-12
 
@@ -214,9 +214,9 @@ class NAGResidual(ResidualStream):
             NAGGate(model_cfg.d_model, nag.C, index + 1, nag.beta_init, nag.gain_floor, mod_base=mod.skip_rate > 0,
                     base_init_std=getattr(mod, "base_init_std", 0.02))
             for index in range(n_sublayers))
-        # model.nag.impl: the fused (compiled) or eager NAG update and modulator (nagmoe/ops/nag_fused.py)
-        self.impl = resolve_nag_backend(getattr(nag, "impl", "auto"))
-        self.ops = NAGOps(self.impl)
+        # model.nag.impl: the fused (compiled) or eager NAG update and modulator, `auto` resolved per device
+        # from the tensors a call gets (nagmoe/ops/nag_fused.py): the stream is built on meta, placed later
+        self.ops = NAGOps(getattr(nag, "impl", "auto"))
         self.mod = None
         if mod.skip_rate > 0:  # skipping starts after the injection warm-up (and model.mod.start_tokens)
             # work weights at max_seq_len; the trainer and the run loaders re-set them at data.seq_len
@@ -228,6 +228,11 @@ class NAGResidual(ResidualStream):
                                      p_thres=getattr(mod, "p_thres", None))
         # Injection warm-up factor in [0, 1], set by the trainer each step; not saved (the trainer re-sets it).
         self.register_buffer("injection_warmup", torch.ones((), dtype=torch.float32), persistent=False)
+
+    @property
+    def impl(self) -> str:
+        """The NAG backend for where the stream lives (trainer.backends' NAGResidual.impl, bench tools)."""
+        return self.ops.backend_for(self.g_encode.device)
 
     def init_weights(self, init: ParamInit) -> None:
         """The stream's own parameter (the gates initialise themselves): g_encode = 0."""

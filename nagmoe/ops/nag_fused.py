@@ -16,8 +16,16 @@ same functions (nagmoe/nag_math.py stays the oracle), as one region per call:
             the inputs and per-token reductions for the backward instead of every (B, T, D) intermediate.
             Needs a C++ compiler on CPU; first call compiles (~10-20 s on CPU).
 
-`auto` takes `compiled` where CUDA is visible and `eager` elsewhere: on the 2-core CPU machine the compile
-time would dominate every short run and test, while the per-step saving there is small.
+`auto` takes `compiled` for CUDA tensors and `eager` for any other device, resolved per device from the
+tensors a call gets (`NAGOps.backend_for`), not from whether the host has a GPU: a small CPU model on a GPU
+host (a test, a checkpoint fixture, a CPU-side estimate) would otherwise pay a cold inductor C++ compile
+(~50 s) and behave unlike the same code on a CPU machine; on CPU the compile would dominate every short run
+while the per-step saving is small. Auto on CUDA without torch.compile falls back to eager with a warning.
+
+Under an active TorchDispatchMode (an instrument: KernelContracts, SyncCounter, a dtype recorder) the
+compiled regions run their eager functions: torch >= 2.12's dynamo skips every frame while a non-infra
+dispatch mode is on the stack, and fullgraph=True turns that skip into "found no compiled frames". The
+instrument then sees the eager ops, the same functions the compiled region fuses.
 
 `gated_update` fuses the modulator with the update (one region) when the modulator is needed only for the
 update; under MoD the modulator is needed before the branch runs, so `modulator` and `update` are two regions.
@@ -25,7 +33,9 @@ update; under MoD the modulator is needed before the branch runs, so `modulator`
 from __future__ import annotations
 
 import functools
+import logging
 import shutil
+import warnings
 
 import torch
 
@@ -33,26 +43,45 @@ from nagmoe.errors import UserError
 from nagmoe.nag_math import modulator as eager_modulator, nag_update as eager_nag_update
 from nagmoe.ops.registry import Registry
 
+log = logging.getLogger("nagmoe.backends")
 
-def _compiler_present() -> bool:
-    """torch.compile (inductor) needs a C++ compiler for CPU code; CUDA code goes through Triton."""
-    return hasattr(torch, "compile") and (shutil.which("g++") is not None or shutil.which("c++") is not None
-                                          or torch.cuda.is_available())
+
+def _compiler_present(device_type: str = "cpu") -> bool:
+    """torch.compile (inductor) needs a C++ compiler for CPU code; CUDA code goes through Triton (shipped with
+    CUDA builds of torch)."""
+    if not hasattr(torch, "compile"):
+        return False
+    return device_type == "cuda" or shutil.which("g++") is not None or shutil.which("c++") is not None
 
 
 NAG_BACKENDS = Registry("nag_update", reference="eager")
-NAG_BACKENDS.register("compiled", available=_compiler_present)
+NAG_BACKENDS.register("compiled", available=lambda: _compiler_present("cuda" if torch.cuda.is_available()
+                                                                        else "cpu"))
 NAG_BACKENDS.register("eager")
 _KNOWN = ("auto", "eager", "compiled")
 
 
-def resolve_nag_backend(requested: str = "auto") -> str:
-    """Backend name for `model.nag.impl` (see the module docstring for what `auto` picks)."""
+def _check_known(requested: str) -> None:
     if requested not in _KNOWN:
         raise UserError(f"model.nag.impl: {requested!r} is not one of {', '.join(_KNOWN)}")
-    if requested == "auto":
-        return "compiled" if torch.cuda.is_available() and _compiler_present() else "eager"
-    return NAG_BACKENDS.resolve(requested)
+
+
+def resolve_nag_backend(requested: str = "auto", device="cpu") -> str:
+    """Backend name for `model.nag.impl` and tensors on `device` (see the module docstring for what `auto`
+    picks). A compiled backend that cannot run on the device falls back to eager with a warning."""
+    _check_known(requested)
+    device_type = torch.device(device).type
+    if requested == "eager" or (requested == "auto" and device_type != "cuda"):
+        return "eager"
+    if _compiler_present(device_type):
+        return "compiled"
+    if requested == "compiled":
+        warnings.warn(f"{NAG_BACKENDS.op}: backend 'compiled' is not available on {device_type}; using 'eager'",
+                      stacklevel=2)
+    else:  # auto on CUDA: eager there is the known-slow path (~20 unfused kernels per sublayer)
+        warnings.warn(f"{NAG_BACKENDS.op}: only the slow backend 'eager' is available on cuda (no torch.compile)",
+                      stacklevel=2)
+    return "eager"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -69,18 +98,68 @@ def _gated_update(log_norm_BT, direction_BTD, branch_BTD, weight_CD, bias_C, coe
     return new_log_norm_BT, new_direction_BTD, m_BT, scale_BT
 
 
-class NAGOps:
-    """The three NAG functions of one backend: `modulator`, `update` (= nag_math.nag_update) and `gated_update`."""
+_EAGER = (eager_modulator, eager_nag_update, _gated_update)
 
-    def __init__(self, backend: str):
-        if backend not in ("eager", "compiled"):
-            raise UserError(f"model.nag.impl: unknown backend {backend!r}")
-        self.backend = backend  # compiled code is cached by torch on the functions' code: shared by instances
-        if backend == "eager":
-            self.modulator, self.update, self.gated_update = eager_modulator, eager_nag_update, _gated_update
-        else:
-            # dynamic=None: specialise on the first shape, go dynamic after a shape change (train vs eval)
-            compile_ = functools.partial(torch.compile, dynamic=None, fullgraph=True)
-            self.modulator = compile_(eager_modulator)
-            self.update = compile_(eager_nag_update)
-            self.gated_update = compile_(_gated_update)
+
+def dispatch_mode_active() -> bool:
+    """A TorchDispatchMode is active that dynamo will not trace under (torch >= 2.12 skips the frame; infra
+    modes and modes that ignore compile internals do not count). Older torch: any mode on the stack."""
+    from torch.utils import _python_dispatch
+
+    check = getattr(_python_dispatch, "any_torch_dispatch_mode_on_stack", None)
+    return check() if check is not None else torch._C._len_torch_dispatch_stack() > 0
+
+
+def _region(eager_fn):
+    """`eager_fn` as one fullgraph compiled region, run eagerly while a dispatch mode is active (module
+    docstring). dynamic=None: specialise on the first shape, go dynamic after a shape change (train vs eval)."""
+    compiled_fn = torch.compile(eager_fn, dynamic=None, fullgraph=True)
+
+    @functools.wraps(eager_fn)
+    def run(*args, **kwargs):
+        if not torch.compiler.is_compiling() and dispatch_mode_active():
+            return eager_fn(*args, **kwargs)
+        return compiled_fn(*args, **kwargs)
+
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled() -> tuple:
+    """The compiled regions, made once: torch caches compiled code on the functions' code, shared by every
+    NAGOps and device (CPU and CUDA graphs are separate entries under the device guards)."""
+    return tuple(_region(fn) for fn in _EAGER)
+
+
+class NAGOps:
+    """The three NAG functions of `model.nag.impl` (auto, eager, compiled): `modulator`, `update`
+    (= nag_math.nag_update) and `gated_update`. Each call takes the backend resolved for its tensors' device
+    (the direction's), once per device type, logged on first use."""
+
+    def __init__(self, requested: str = "auto"):
+        _check_known(requested)
+        self.requested = requested
+        self._by_device: dict[str, tuple] = {}  # device type -> (backend, modulator, update, gated_update)
+
+    def _for(self, device) -> tuple:
+        device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+        entry = self._by_device.get(device_type)
+        if entry is None:
+            backend = resolve_nag_backend(self.requested, device_type)
+            entry = (backend, *(_compiled() if backend == "compiled" else _EAGER))
+            self._by_device[device_type] = entry
+            log.info("nag_update: model.nag.impl=%s -> %s for %s tensors", self.requested, backend, device_type)
+        return entry
+
+    def backend_for(self, device) -> str:
+        """The backend calls with tensors on `device` run (what the trainer reports as NAGResidual.impl)."""
+        return self._for(device)[0]
+
+    def modulator(self, direction_BTD, *args, **kwargs):
+        return self._for(direction_BTD.device)[1](direction_BTD, *args, **kwargs)
+
+    def update(self, log_norm_BT, direction_BTD, *args, **kwargs):
+        return self._for(direction_BTD.device)[2](log_norm_BT, direction_BTD, *args, **kwargs)
+
+    def gated_update(self, log_norm_BT, direction_BTD, *args, **kwargs):
+        return self._for(direction_BTD.device)[3](log_norm_BT, direction_BTD, *args, **kwargs)

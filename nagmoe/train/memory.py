@@ -281,16 +281,26 @@ def micro_batch_rows(cfg, world_size: int) -> int:
     return min(rank_rows, t.micro_batch_tokens // seq) if t.micro_batch_tokens else rank_rows
 
 
-def eager_memory_refusal(cfg, device_memory_bytes: int, ep: int, world_size: int) -> Optional[str]:
+def eager_memory_refusal(cfg, device_memory_bytes: int, ep: int, world_size: int,
+                         estimate_bytes: Optional[int] = None) -> Optional[str]:
     """The one-line refusal of a CUDA layout that runs eager (`train.compile` off on CUDA) and whose memory
     estimate (nagmoe.train.memory.estimate_memory, the one estimator) exceeds `device_memory_bytes`; None when
     it fits or when the blocks are compiled (the estimate is an eager upper bound). The micro-batch is the
-    trainer's: `train.micro_batch_tokens`, at most this rank's share of `train.batch_tokens`."""
+    trainer's: `train.micro_batch_tokens`, at most this rank's share of `train.batch_tokens`. `estimate_bytes`: the
+    total of an estimate made ahead for this layout (the GPU check's committed one), used instead of estimating
+    here, which at paper width costs minutes of host CPU."""
     from nagmoe.train.speed import resolve_compile
 
     if resolve_compile(cfg.train.compile, "cuda"):
         return None
     tokens = max(1, micro_batch_rows(cfg, world_size)) * cfg.data.seq_len
+    if estimate_bytes is not None:
+        if estimate_bytes <= device_memory_bytes:
+            return None
+        return (f"train.compile={cfg.train.compile} (eager on CUDA): this layout needs about "
+                f"{estimate_bytes / GIB:.1f} GiB per rank (memory estimate made ahead at train.micro_batch_tokens="
+                f"{tokens}) but the device has {device_memory_bytes / GIB:.1f} GiB: lower train.micro_batch_tokens, "
+                "or set train.compile=true (or auto), or train.activation_checkpointing=true")
     est = estimate_memory(cfg, ep=ep, micro_batch_tokens=tokens, device="cuda", world_size=world_size)
     if est["total"] <= device_memory_bytes:
         return None

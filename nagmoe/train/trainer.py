@@ -112,10 +112,12 @@ def check_history_files(run_dir: str) -> None:
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str, accept_config_change: bool = False, take_over: bool = False,
                  start_over: bool = False, quiet: bool = False, rank: int = 0, world_size: int = 1,
-                 mesh: Optional[ParallelMesh] = None):
+                 mesh: Optional[ParallelMesh] = None, eager_memory_estimate: Optional[int] = None):
         """`mesh`: the distributed layout (nagmoe.parallel.mesh.ParallelMesh). Without one: the initialised
         process group's layout when there is one and `world_size` is left at 1, else `rank`/`world_size`.
-        The three permissions are `nagmoe train`'s flags of the same names (nagmoe/run_permissions.py)."""
+        The three permissions are `nagmoe train`'s flags of the same names (nagmoe/run_permissions.py).
+        `eager_memory_estimate`: bytes per rank of a memory estimate made ahead for this layout, for the refusal
+        of an eager CUDA layout that cannot fit (None: estimated here, minutes of CPU at paper width)."""
         check_start_settings()  # every NAGMOE_* setting and job variable: one line now, not hours in
         check_export_available(cfg)  # train.export_hf_at_end needs the hf extra: say so before training
         self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
@@ -146,7 +148,7 @@ class Trainer:
         self.compiled = resolve_compile(t.compile, self.device.type)  # train.compile: auto = on for CUDA
         if self.device.type == "cuda" and not self.compiled:  # eager on CUDA: refuse a layout that cannot fit
             refusal = eager_memory_refusal(cfg, torch.cuda.get_device_properties(self.device).total_memory,
-                                           mesh.ep, world_size)
+                                           mesh.ep, world_size, eager_memory_estimate)
             if refusal is not None:
                 raise UserError(refusal)
 

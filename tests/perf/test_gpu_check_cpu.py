@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-TRAIN = ("train_baseline", "train_nag", "train_nag_mod20")
-CPU_SECTIONS = ("data", *TRAIN, "resume", "mod_block", "env", "tests", "dcp")
+TRAIN = ("train_nag", "train_baseline", "train_nag_mod20")
+CPU_SECTIONS = ("env", "data", *TRAIN, "mod_block", "resume", "tests", "dcp")  # the GPU's order, less `install`
+HIDDEN = ("datasets", "wandb", "deepspeed", "transformers", "lm_eval", "flash_attn", "megablocks", "grouped_gemm")
 
 
 def gpu_check(repo_root, out, **env_extra):
@@ -51,7 +52,7 @@ def test_gpu_check_cpu_mode_records_every_section(repo_root, tmp_path):
     resume = sections["resume"]["result"]
     assert resume["resumed_at_step"] == 2 and resume["max_rel_diff_after_resume"] <= resume["tolerance"]
     assert resume["losses_resumed"] == pytest.approx(resume["losses_straight"], rel=resume["tolerance"])
-    assert sections["env"]["result"]["hidden"] == ["datasets", "wandb", "deepspeed"]
+    assert sections["env"]["result"]["hidden"] == list(HIDDEN)
     assert "aten::pow.Tensor_Scalar" in sections["env"]["result"]["autocast"]["cuda_registrations"]
     assert sections["mod_block"]["result"]["precision"]["compute_dtype"] == "bfloat16"
     assert "skipped" in sections["tests"]["result"]["summary"]  # the gpu tests were collected, then skipped
@@ -61,29 +62,33 @@ def test_gpu_check_cpu_mode_records_every_section(repo_root, tmp_path):
 
 
 def test_a_failing_or_killed_section_leaves_the_others(repo_root, tmp_path):
-    """`data` fails on purpose, `dcp` hangs and is killed at a 2 s limit; `env` between them still runs."""
-    proc, bench = gpu_check(repo_root, tmp_path, GPU_CHECK_SECTIONS="data,env,dcp", GPU_CHECK_FAIL="data",
+    """`env` fails on purpose, `dcp` hangs and is killed at a 2 s limit; `data` between them still runs."""
+    proc, bench = gpu_check(repo_root, tmp_path, GPU_CHECK_SECTIONS="env,data,dcp", GPU_CHECK_FAIL="env",
                             GPU_CHECK_HANG="dcp", GPU_CHECK_LIMIT_dcp="2")
     assert proc.returncode == 1, proc.stdout[-4000:]
     sections = bench["sections"]
-    assert list(sections) == ["data", "env", "dcp"]
-    assert sections["data"]["status"] == "failed"
-    assert sections["data"]["error"] == "RuntimeError: deliberate failure (GPU_CHECK_FAIL=data)"
-    assert sections["env"]["status"] == "ok" and sections["env"]["result"]["device"] == "cpu"
+    assert list(sections) == ["env", "data", "dcp"]
+    assert sections["env"]["status"] == "failed"
+    assert sections["env"]["error"] == "RuntimeError: deliberate failure (GPU_CHECK_FAIL=env)"
+    assert sections["data"]["status"] == "ok" and sections["data"]["result"]["totals"]["train"]["n_tokens"] > 0
     assert sections["dcp"] == {"status": "timeout", "seconds": sections["dcp"]["seconds"], "limit": 2,
                                "error": "killed at its 2 s limit"}
 
 
 def test_the_blocker_really_hides_the_optional_packages(repo_root, tmp_path):
-    """The blocker the script installs makes `import wandb` fail even where wandb is installed (here it is)."""
+    """The blocker the script installs makes the optional packages missing even where they are installed (datasets,
+    wandb, deepspeed and transformers are, here): `import` raises ModuleNotFoundError and find_spec returns None,
+    as for a package that is not there (on the parent the blocker raised from find_spec instead)."""
     script = open(os.path.join(repo_root, "tools/gpu_check.sh")).read()
     blocker = script.split("<<'PYEOF'\n", 1)[1].split("PYEOF\n", 1)[0]
     (tmp_path / "sitecustomize.py").write_text(blocker)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{repo_root}"}
-    code = ("import importlib\nfor n in ('datasets', 'wandb', 'deepspeed'):\n"
+    code = ("import importlib, importlib.util\nfor n in %r:\n"
+            "    print('spec', n, importlib.util.find_spec(n))\n"
             "    try:\n        importlib.import_module(n)\n        print('imported', n)\n"
-            "    except ImportError as e:\n        print('hidden', n, e)\nimport nagmoe.train.trainer\n")
+            "    except ModuleNotFoundError as e:\n        print('hidden', n, e)\n"
+            "import yaml, tokenizers, numpy, nagmoe.train.trainer\n" % (HIDDEN,))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    hidden = [["hidden", n] for n in ("datasets", "wandb", "deepspeed")]
-    assert [line.split()[:2] for line in proc.stdout.splitlines()] == hidden
+    want = [line for n in HIDDEN for line in (f"spec {n} None", f"hidden {n} No module named '{n}'")]
+    assert proc.stdout.splitlines() == want

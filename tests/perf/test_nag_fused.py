@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from nagmoe.cuda_rules.contracts import KernelContracts
 from nagmoe.errors import UserError
 from nagmoe.ops.nag_fused import NAGOps, resolve_nag_backend
+from nagmoe.train.sync_count import SyncCounter
 
 pytestmark = pytest.mark.skipif(resolve_nag_backend("compiled") != "compiled", reason="no C++ compiler for inductor")
 
@@ -78,8 +81,10 @@ def test_zero_branch_keeps_finite_gradients_in_the_fused_path():
 
 
 def test_backend_resolution_and_bad_input():
-    assert resolve_nag_backend("eager") == "eager"
-    assert resolve_nag_backend("auto") == ("compiled" if torch.cuda.is_available() else "eager")
+    assert resolve_nag_backend("eager") == "eager" and resolve_nag_backend("eager", "cuda") == "eager"
+    assert resolve_nag_backend("auto", "cpu") == "eager" and resolve_nag_backend("auto", "meta") == "eager"
+    assert resolve_nag_backend("auto", "cuda") == "compiled"  # by the tensors' device, whatever the host has
+    assert resolve_nag_backend("compiled", "cpu") == "compiled"  # asked for: compiled on the CPU too
     with pytest.raises(UserError, match="model.nag.impl"):
         resolve_nag_backend("triton")
 
@@ -109,3 +114,65 @@ def test_nag_residual_uses_the_registry_backend_and_matches_eager_end_to_end():
     for name in grads["eager"]:
         torch.testing.assert_close(grads["compiled"][name], grads["eager"][name], rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"{name}: {m}")
+
+
+def _small_nag_model(**nag):
+    from nagmoe.config import AttentionConfig, ModelConfig, NAGConfig
+    from nagmoe.model import build_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(residual="nag", vocab_size=64, d_model=32, n_layers=2, max_seq_len=32,
+                      attention=AttentionConfig(n_heads=4, impl="sdpa"), nag=NAGConfig(C=4, **nag))
+    return build_model(cfg)
+
+
+def test_auto_follows_the_tensors_device_not_the_host(monkeypatch):
+    """Issue 52 item 3: on a GPU host (torch.cuda.is_available() True) a CPU model's NAG stays eager, as on a CPU
+    machine: no dynamo frame is compiled (a cold inductor C++ compile took 48 s against 0.4 s eager). The
+    trainer reports the backend its tensors get (NAGResidual.impl); CUDA tensors get the compiled regions."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = _small_nag_model()  # model.nag.impl=auto
+    assert model.stream.impl == "eager"
+    frames = counters["frames"]["total"]
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
+    model(idx, idx).loss.backward()
+    assert counters["frames"]["total"] == frames, "auto compiled NAG for CPU tensors"
+    ops = NAGOps("auto")
+    assert (ops.backend_for("cpu"), ops.backend_for(torch.device("cuda", 0))) == ("eager", "compiled")
+    assert model.stream.ops.backend_for("cuda") == "compiled"
+
+
+class _AtenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._schema.name.split("::")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def test_compiled_regions_run_eagerly_under_an_active_dispatch_mode():
+    """Issue 52 item 7: torch >= 2.12's dynamo traces nothing while a (non-infra) TorchDispatchMode is active,
+    and fullgraph=True turned that skip into "found no compiled frames" under KernelContracts, SyncCounter or a
+    dtype recorder (tests/gpu/test_precision_cuda.py). The regions then run their eager functions: the same
+    results, and the instruments see the ops."""
+    eager, fused = NAGOps("eager"), NAGOps("compiled")
+    x = _inputs(6)
+    warmup = torch.tensor(0.5)
+    args = (x["log_norm"], x["direction"], x["branch"], x["weight"], x["bias"], x["coef"], x["beta_raw"],
+            x["alpha"], warmup, 1e-6, 1e-6)
+    scale = torch.full((B, T), 0.5)
+    want = (*eager.gated_update(*args), eager.modulator(x["direction"], x["weight"], x["bias"], x["coef"],
+                                                        x["beta_raw"], 1e-6),
+            *eager.update(x["log_norm"], x["direction"], x["branch"], scale, 1e-6))
+    with SyncCounter() as syncs, KernelContracts() as contracts, _AtenOps() as seen:
+        got = (*fused.gated_update(*args), fused.modulator(x["direction"], x["weight"], x["bias"], x["coef"],
+                                                           x["beta_raw"], 1e-6),
+               *fused.update(x["log_norm"], x["direction"], x["branch"], scale, 1e-6))
+    for e, f in zip(want, got):
+        torch.testing.assert_close(f, e, rtol=0, atol=0)  # the eager functions themselves
+    assert {"addmm", "sigmoid", "log1p"} <= seen.names  # the modulator's linear and the update, op by op
+    assert syncs.total == 0 and not contracts.violations
