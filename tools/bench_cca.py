@@ -42,33 +42,46 @@ def _variants(model_cfg):
     return {"mha": mha, "cca": cca}
 
 
-def _time(fn) -> float:
+def _time(fn, device=torch.device("cpu")) -> float:
+    """Seconds of fn(); on CUDA the queued kernels are waited for on both sides."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 
-def bench(config_path: str, seq_len: int, batch: int, iters: int, warmup: int, seed: int = 0) -> dict:
+def bench(config_path: str, seq_len: int, batch: int, iters: int, warmup: int, seed: int = 0,
+          device: str = "cpu") -> dict:
+    """`device` cuda: the modules and input there, the forward under bf16 autocast (as training runs it)."""
     cfg = load_config(config_path)
     variants = _variants(cfg.model)
     d = cfg.model.d_model
+    dev = torch.device(device)
     torch.manual_seed(seed)
-    modules = {name: build_attention(d, m.attention, m.init_std) for name, m in variants.items()}
-    x = torch.randn(batch, seq_len, d)
+    modules = {name: build_attention(d, m.attention, m.init_std).to(dev) for name, m in variants.items()}
+    x = torch.randn(batch, seq_len, d).to(dev)
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda")
 
     def fwd(module):
-        with torch.no_grad():
+        with torch.no_grad(), autocast():
             module(x)
 
     def fwd_bwd(module):
         xg = x.detach().requires_grad_(True)
-        module(xg)[0].square().mean().backward()
+        with autocast():
+            loss = module(xg)[0].float().square().mean()
+        loss.backward()
         module.zero_grad(set_to_none=True)
 
     times = {name: {"forward_s": [], "forward_backward_s": []} for name in modules}
     for i in range(warmup + iters):
         for name, module in modules.items():  # alternate: load drifts hit both variants
-            f, fb = _time(lambda: fwd(module)), _time(lambda: fwd_bwd(module))
+            f, fb = _time(lambda: fwd(module), dev), _time(lambda: fwd_bwd(module), dev)
             if i >= warmup:
                 times[name]["forward_s"].append(f)
                 times[name]["forward_backward_s"].append(fb)

@@ -40,11 +40,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _step_seconds(model, idx) -> tuple[float, float]:
-    """(wall, process CPU) seconds of one forward + backward."""
+    """(wall, process CPU) seconds of one forward + backward; on CUDA under bf16 autocast (as training runs it),
+    the queued kernels waited for on both sides."""
+    cuda = idx.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(idx.device)
     t0, c0 = time.perf_counter(), time.process_time()
-    out = model(idx, idx)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+        out = model(idx, idx)
     (out.loss + out.aux_loss).backward()
     model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize(idx.device)
     return time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -69,17 +76,18 @@ def _profile_split(model, idx, steps: int = 3) -> dict:
 
 
 def bench(config_path: str, rows: int, iters: int, warmup: int, seed: int = 0,
-          overrides: tuple = (), profile_steps: int = 0) -> dict:
+          overrides: tuple = (), profile_steps: int = 0, device: str = "cpu") -> dict:
     cfg = load_config(config_path, list(overrides))
+    dev = torch.device(device)
     m, T = cfg.model, cfg.data.seq_len
     if m.mod.skip_rate <= 0:
         raise SystemExit(f"{config_path}: model.mod.skip_rate is 0; pick a MoD config (e.g. configs/tiny-mod20.yaml)")
     torch.manual_seed(seed)
-    model = build_model(m).train()
+    model = build_model(m).to(dev).train()
     gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, m.vocab_size, (rows, T), generator=gen)
+    idx = torch.randint(0, m.vocab_size, (rows, T), generator=gen).to(dev)
     with torch.no_grad():  # calibration: this batch's score histograms
-        model(torch.randint(0, m.vocab_size, (rows, T), generator=gen))
+        model(torch.randint(0, m.vocab_size, (rows, T), generator=gen).to(dev))
     model.mod_update()
 
     def realised_fractions():

@@ -3,7 +3,7 @@
 
     OMP_NUM_THREADS=1 python tools/bench_suite.py --out bench_suite.json --markdown bench_suite.md
     python tools/bench_suite.py --smoke                       # seconds: tiny sizes, 1 repetition (CI)
-    python tools/bench_suite.py --device cuda --paper-width   # tools/gpu_check.sh
+    python tools/bench_suite.py --device cuda --paper-width   # on a GPU by hand (tools/gpu_check.sh does not run it)
 
 Sections (each repetition count excludes the warm-up; min = least disturbed, median beside it; ratios from
 the minima):
@@ -218,14 +218,14 @@ def section_moe(args, sizes) -> dict:
 def section_cca(args, sizes) -> dict:
     import bench_cca
 
-    return bench_cca.bench(sizes["cca_config"], sizes["cca_seq"], 1, sizes["reps"], sizes["warmup"])
+    return bench_cca.bench(sizes["cca_config"], sizes["cca_seq"], 1, sizes["reps"], sizes["warmup"], device=args.device)
 
 
 def section_mod(args, sizes) -> dict:
     import bench_mod
 
     return bench_mod.bench(os.path.join(REPO, "configs/tiny-mod20.yaml"), sizes["mod_rows"], sizes["reps"],
-                           sizes["warmup"], overrides=tuple(sizes["mod_overrides"]))
+                           sizes["warmup"], overrides=tuple(sizes["mod_overrides"]), device=args.device)
 
 
 def section_loader(args, sizes, training_tokens_per_s: float) -> dict:
