@@ -4,21 +4,30 @@ A GPU is lent for minutes: the estimator's probes (nagmoe/train/memory.py, activ
 CUDA's autocast rules of the GPU machine's torch) must not run there. They run here and are committed in
 tools/gpu_check_estimates.json, one entry per training config of the check and torch version of CUDA's rules
 (RULES: the GPU machine's torch), each with a fingerprint of what the estimate depends on: the config at the
-check's size, the layout, the rules version and the code of the estimator and the model (syntax trees, so a
-comment does not count). An entry whose fingerprint no longer matches is stale: the check records
+check's size, the layout, the rules version and the code of the estimator and the model (its tokens, so a
+comment or a line break does not count). An entry whose fingerprint no longer matches is stale: the check records
 "estimate stale" instead of a number, and tests/perf/test_gpu_check_estimates.py fails until it is rewritten:
 
-    python tools/gpu_check_estimates.py --write    # recompute every entry (well under a minute on 2 cores)
-    python tools/gpu_check_estimates.py --check    # exit 1 naming each stale or missing entry
+    python tools/gpu_check_estimates.py --write        # recompute every entry (well under a minute on 2 cores)
+    python tools/gpu_check_estimates.py --check        # exit 1 naming each stale or missing entry
+    python tools/gpu_check_estimates.py --code-digest  # print the code's digest (the standard library only)
+
+The fingerprint must read the same under the GPU machine's Python (3.12) as under the one that wrote it (issue 52):
+the code digest hashes the token stream (tokenize's names and texts, an f-string as its source text, which 3.12
+splits into parts), not ast.dump (3.12 adds fields, 3.13 drops empty ones, 3.12.1 adds empty strings to nested
+f-string format specs), and the config is hashed as JSON of plain values only (no str() of an object). The JSON
+keeps the code digest its entries were computed with; the test computes the digest under every Python 3.10-3.13
+it finds and compares.
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
+import io
 import json
 import os
 import sys
+import tokenize
 
 from gpu_check_common import REPO
 from gpu_check_configs import PAPER, SIZES, micro_batch_tokens, paper_config
@@ -36,17 +45,64 @@ def _code_files() -> list[str]:
     for rel in CODE:
         path = os.path.join(REPO, rel)
         if os.path.isdir(path):
-            files += sorted(os.path.join(rel, f) for f in os.listdir(path) if f.endswith(".py"))
+            files += sorted(f"{rel}/{f}" for f in os.listdir(path) if f.endswith(".py"))
         else:
             files.append(rel)
     return files
 
 
+_LAYOUT = ("NEWLINE", "INDENT", "DEDENT", "ENDMARKER")  # kept by name only: their text is whitespace
+
+
+def source_tokens(source: str) -> list[str]:
+    """`source`'s tokens as "NAME text" lines, the same under Python 3.10-3.13: comments and blank or wrapped
+    lines (COMMENT, NL) are dropped, layout tokens keep only their name, and an f-string, which 3.12's tokenize
+    splits into FSTRING_START ... FSTRING_END, is one STRING token of its source text as before 3.12, and a name
+    that tokenize before 3.12 splits at a combining mark (NAME, ERRORTOKEN, NAME, ...) is one NAME as in 3.12.
+    Docstrings are strings: they count."""
+    lines: list[str] = []
+    stream = io.StringIO(source)
+
+    def readline() -> str:
+        lines.append(stream.readline())
+        return lines[-1]
+
+    def text(start, end) -> str:
+        (r0, c0), (r1, c1) = start, end
+        if r0 == r1:
+            return lines[r0 - 1][c0:c1]
+        return lines[r0 - 1][c0:] + "".join(lines[r0:r1 - 1]) + lines[r1 - 1][:c1]
+
+    out, depth, fstart, name_end = [], 0, None, None
+    for tok in tokenize.generate_tokens(readline):
+        name = tokenize.tok_name[tok.type]  # names, not numbers: the numbers differ across versions
+        if name == "FSTRING_START":
+            fstart = tok.start if not depth else fstart  # a nested f-string is part of the outer one's text
+            depth += 1
+        elif name == "FSTRING_END":
+            depth -= 1
+            if not depth:
+                out.append("STRING " + text(fstart, tok.end))
+        elif depth or name in ("COMMENT", "NL"):
+            continue
+        elif name in ("NAME", "ERRORTOKEN") and tok.start == name_end:  # no two names touch: a split name
+            out[-1], name_end = out[-1] + tok.string, tok.end
+        elif name == "ERRORTOKEN" and tok.string.strip():  # an identifier character before 3.12's tokenize
+            out.append(f"NAME {tok.string}")
+            name_end = tok.end
+        else:
+            out.append(name if name in _LAYOUT else f"{name} {tok.string}")
+            name_end = tok.end if name == "NAME" else None
+    return out
+
+
 def code_digest() -> str:
+    """The digest of CODE's token streams (source_tokens): the standard library only, no torch or nagmoe."""
     h = hashlib.sha256()
     for rel in _code_files():
-        with open(os.path.join(REPO, rel)) as f:
-            h.update(rel.encode() + b"\0" + ast.dump(ast.parse(f.read())).encode() + b"\0")
+        with open(os.path.join(REPO, rel), encoding="utf-8") as f:  # universal newlines: CRLF reads as LF
+            tokens = "\n".join(source_tokens(f.read()))
+        h.update(rel.encode() + b"\0" + tokens.encode() + b"\0")
     return h.hexdigest()
 
 
@@ -58,7 +114,8 @@ def fingerprint(cfg, rules: str, code: str) -> str:
     what = {"model": to_dict(cfg.model), "seq_len": cfg.data.seq_len, "ep": EP, "world": WORLD, "rules": rules,
             "micro_batch_tokens": micro_batch_tokens(cfg), "optimizer": t.optimizer, "precision": t.precision,
             "activation_checkpointing": t.activation_checkpointing, "code": code}
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    # no default=str: a value JSON cannot hold raises instead of hashing a str() that may differ across versions
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def key(name: str, rules: str) -> str:
@@ -117,9 +174,8 @@ def write() -> dict:
                                          "parts": {k: est[k] for k in est["parts"]}, "layout": est["layout"]}
             print(f"{key(name, rules)}: {est['total'] / 2 ** 30:.2f} GiB", flush=True)
     data = {"about": "memory estimates of tools/gpu_check.sh's training sections (tools/gpu_check_estimates.py)",
-            "measured_with_torch": torch.__version__, "sizes": {k: SIZES["gpu"][k] for k in
-                                                                ("vocab", "seq", "batch_tokens")},
-            "entries": entries}
+            "code_digest": code, "measured_with_torch": torch.__version__,
+            "sizes": {k: SIZES["gpu"][k] for k in ("vocab", "seq", "batch_tokens")}, "entries": entries}
     tmp = ESTIMATES + ".tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
@@ -133,7 +189,11 @@ def main(argv=None) -> int:
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", action="store_true", help="recompute every entry and rewrite the JSON")
     mode.add_argument("--check", action="store_true", help="exit 1 when an entry is stale or missing")
+    mode.add_argument("--code-digest", action="store_true", help="print the code digest (no torch needed)")
     args = ap.parse_args(argv)
+    if args.code_digest:
+        print(code_digest())
+        return 0
     if args.write:
         write()
         return 0
