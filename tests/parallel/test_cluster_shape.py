@@ -18,7 +18,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 pytestmark = pytest.mark.distributed
 
-TOL = 1e-5  # as tests/parallel/test_parallel_training.py (fp32 summation order, lr_embed 0.02)
+# as tests/parallel/test_parallel_training.py (fp32 summation order, lr_embed 0.02). No parameter is compared (so
+# AdamW's eps stays 1e-10): a loss is a mean over 512 tokens and the grad norm a norm over every element, which the
+# few AdamW-amplified embedding elements (test_parallel_training.py's TOL comment) move by far less than 1e-5
+# (measured, ATEN_CPU_CAPABILITY default and avx2: the losses equal, the grad norms within 1% of TOL)
+TOL = 1e-5
 STEPS = 3
 # global batch 8 rows of 64 tokens: one row per rank per step on 8 ranks, 8 accumulated micro-batches in one
 BASE = ("model.moe.n_experts=8", "model.nag.C=8", "train.batch_tokens=512", "train.micro_batch_tokens=64",
