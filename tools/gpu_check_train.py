@@ -131,11 +131,15 @@ def with_eager_fallback(ctx, cfg_for, run, device) -> dict:
         said = {"compile": "eager fallback", "compile_error": os.environ.get("GPU_CHECK_COMPILE_ERROR")}
         ctx.partial(said)  # should the eager run fail too, the entry says which try it was
         return {**said, **run(EAGER, "-eager")}
+    from nagmoe.errors import UserError
+
     if not compiles(cfg_for([]), device):
         return {"compile": "off", **run([], "")}
     try:
         return {"compile": "on", **run([], "")}
-    except Exception as e:  # noqa: BLE001 (any failure under compile earns the eager try)
+    except UserError:  # a config or data error fails eager alike: no rerun
+        raise
+    except Exception as e:  # noqa: BLE001 (any other failure under compile earns the eager try)
         traceback.print_exc()
         error = one_line(e)
     ctx.partial({"compile": "on", "compile_error": error})  # kept whatever the fallback does
@@ -408,14 +412,29 @@ def step_losses(run_dir: str) -> dict:
     return {r["step"]: r["loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))}
 
 
+def resume_config(mode: str, data: str, extra=()):
+    """The resume section's model: 4 layers of nag-mod20-r40, an injection warm-up of one step (the first half
+    of the run, n // 2 steps, must pass it: the config refuses a warm-up as long as the run)."""
+    s = SIZES[mode]
+    return paper_config("nag_mod20", mode, data, ["model.n_layers=4", f"model.nag.warmup_tokens={s['batch_tokens']}",
+                                                  *extra])
+
+
+def resume_configs(cfg_for, n: int) -> dict:
+    """{steps: config} of the resume's runs (n straight, n // 2 then n), all loaded (validated) before any GPU
+    work: at the GPU's size a config error once surfaced only after the first run (issue 52's GPU run)."""
+    return {steps: cfg_for([f"train.max_steps={steps}"]) for steps in (n, n // 2)}
+
+
 def resume_runs(ctx, cfg_for, n: int, suffix: str, device) -> dict:
     from nagmoe.train.trainer import Trainer
 
+    configs = resume_configs(cfg_for, n)
     # eager on CUDA: no refusal estimate (minutes of host CPU at paper width); 4 layers of r40 take a few GiB
-    ahead = 0 if device.type == "cuda" and not compiles(cfg_for([]), device) else None
+    ahead = 0 if device.type == "cuda" and not compiles(configs[n], device) else None
 
     def trainer(steps, run_dir):
-        return Trainer(cfg_for([f"train.max_steps={steps}"]), run_dir, quiet=True, eager_memory_estimate=ahead)
+        return Trainer(configs[steps], run_dir, quiet=True, eager_memory_estimate=ahead)
 
     straight, chained = fresh_dir(ctx, "straight" + suffix), fresh_dir(ctx, "chained" + suffix)
     trainer(n, straight).run()
@@ -434,7 +453,7 @@ def section_resume(ctx) -> dict:
     n = s["resume_steps"]
 
     def cfg_for(extra):
-        return paper_config("nag_mod20", ctx.mode, data_dir(ctx), ["model.n_layers=4", *extra])
+        return resume_config(ctx.mode, data_dir(ctx), extra)
 
     res = with_eager_fallback(ctx, cfg_for, lambda extra, suffix: resume_runs(
         ctx, lambda more: cfg_for([*extra, *more]), n, suffix, device), device)

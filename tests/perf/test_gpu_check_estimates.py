@@ -177,3 +177,20 @@ def test_a_compile_failure_is_recorded_first_and_the_eager_rerun_runs_in_a_fresh
     res = gpu_check_train.with_eager_fallback(eager, lambda extra: cfg, lambda extra, suffix: {"ran": extra},
                                               torch.device("cpu"))
     assert res["compile"] == "eager fallback" and res["ran"] == ["train.compile=false", "model.nag.impl=eager"]
+
+
+@pytest.mark.parametrize("mode", ["gpu", "cpu"])
+def test_every_config_the_check_trains_loads_at_its_size(estimates, mode):
+    """Each config a section trains validates at that size before any GPU work: at the GPU's size the resume's
+    first half (2 steps of 65536 tokens) was as long as the injection warm-up (2 steps), and the config refused
+    it only after the straight run had spent its GPU time (issue 52's first GPU run: "model.nag.warmup_tokens:
+    131072 must be below the run's budget")."""
+    import gpu_check_train
+    from gpu_check_configs import PAPER, SIZES, paper_config
+
+    for key in PAPER:
+        assert paper_config(key, mode, "/nonexistent").train.batch_tokens == SIZES[mode]["batch_tokens"]
+    n = SIZES[mode]["resume_steps"]
+    configs = gpu_check_train.resume_configs(lambda extra: gpu_check_train.resume_config(mode, "/nonexistent", extra),
+                                             n)
+    assert sorted(configs) == [n // 2, n] and all(c.model.n_layers == 4 for c in configs.values())
