@@ -118,8 +118,16 @@ def test_the_chunked_loss_equals_the_full_loss_and_saves_no_full_logits(residual
     torch.testing.assert_close(chunked[1], full[1], rtol=1e-6, atol=1e-6)
     assert float(chunked[1][0, :7].abs().max()) == 0.0
     assert chunked[2].keys() == full[2].keys()
+    # Gradients: the chunked and the full loss sum the same per-token terms in another order (fp32, 2^-24 each),
+    # and each weight-gradient entry sums ~128 tokens' products, so a reorder moves it by about 128 * 2^-24 ~ 8e-6
+    # of its largest term, at most that of the tensor's scale (max |g|) on any CPU's kernels. An elementwise rtol
+    # fails where an entry cancels to near 0 (it did under ATEN_CPU_CAPABILITY=avx2 in the whole suite, issue 50).
+    # A real defect (a chunk's tokens dropped or counted twice, a wrong denominator) moves gradients by >= 1/121 of
+    # their scale (one target of 121): 1e-5 of the scale separates the two by three orders of magnitude.
     for name in full[2]:
-        torch.testing.assert_close(chunked[2][name], full[2][name], rtol=1e-5, atol=1e-7, msg=name)
+        scale = float(full[2][name].abs().max())
+        torch.testing.assert_close(chunked[2][name], full[2][name], rtol=0, atol=1e-5 * scale + 1e-12,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     assert full[3] >= 128 * 512  # the single chunk saves its full (N, V) logits ...
     assert chunked[3] < 128 * 512  # ... chunked, nothing of that size is saved
 

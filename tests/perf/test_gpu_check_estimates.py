@@ -111,8 +111,11 @@ def test_the_gpu_sections_fit_the_budget():
     gpu = script.split("\nelse\n", 1)[1]  # the GPU branch of `if [[ $MODE == cpu ]]`
     budget = int(re.search(r"GPU_CHECK_BUDGET:-(\d+)\}", gpu).group(1))
     limits = dict(re.findall(r"(\w+):(\d+)", gpu.split("SECTIONS=(", 1)[1].split(")", 1)[0]))
-    assert budget == 350 and sum(map(int, limits.values())) <= budget, limits
-    assert {"train_baseline", "train_nag", "train_nag_mod20"} <= set(limits)  # each config its own process
+    # issue 52: under 8 minutes of script time, so a rerun fits a 15-minute lease (docs/benchmarks.md: the evidence
+    # behind each limit); the answers only a GPU gives first, the install last
+    assert budget == 470 < 8 * 60 and sum(map(int, limits.values())) <= budget, limits
+    assert list(limits) == ["env", "data", "train_nag", "train_baseline", "train_nag_mod20", "mod_block", "resume",
+                            "tests", "dcp", "install"]  # each training config its own process
 
 
 def test_the_gpu_check_tools_import_without_a_circle():

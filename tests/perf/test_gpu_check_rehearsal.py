@@ -88,10 +88,5 @@ def test_every_section_reaches_its_gpu_work_within_its_limit(repo_root, tmp_path
     failures = sections["tests"]["result"].get("failures", [])
     assert all(REACHED in f or NO_ACCELERATOR in f for f in failures) and sections["tests"]["seconds"] < sections["tests"]["limit"] / 2, (
         failures)
-    # the whole call: the limits of every section (install too) within the budget, under 8 minutes of script time
-    script = open(os.path.join(repo_root, "tools/gpu_check.sh")).read()
-    gpu = script.split("else\n", 1)[1].split("fi\n", 1)[0]
-    limits = dict(entry.split(":") for entry in gpu.split("SECTIONS=(", 1)[1].split(")", 1)[0].split())
-    assert list(limits)[:len(SECTIONS)] == list(SECTIONS) and list(limits)[len(SECTIONS):] == ["install"]
-    assert bench["budget"] == 470 and sum(map(int, limits.values())) <= bench["budget"] < 8 * 60
-    assert "s of a 470 s budget" in proc.stdout
+    # the limits against the budget: tests/perf/test_gpu_check_estimates.py::test_the_gpu_sections_fit_the_budget
+    assert bench["budget"] == 470 and "s of a 470 s budget" in proc.stdout
