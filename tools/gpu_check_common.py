@@ -71,7 +71,7 @@ def one_line(e: BaseException) -> str:
 class Ctx:
     """What a section gets: the mode, the results folder, a scratch folder, its time limit (the shell kills it
     there; None when run by hand), and `partial` to keep results written so far should it be killed later. A
-partial keeps what the section's entry held (the limit, a compile error) beside the newest result."""
+    partial keeps what the section's entry held (the limit, a compile error) beside the newest result."""
 
     def __init__(self, name: str, mode: str, out: str, work: str, limit=None, eager: bool = False):
         self.name, self.mode, self.out, self.work, self.t0 = name, mode, out, work, time.time()

@@ -34,7 +34,7 @@ import statistics
 import time
 import traceback
 
-from gpu_check_common import REPO, SectionFailed, one_line
+from gpu_check_common import REPO, SectionFailed, load, one_line, put
 from gpu_check_configs import PAPER, SIZES, micro_batch_tokens, overrides, paper_config
 
 
@@ -162,8 +162,6 @@ def eager_in_fresh_process(ctx, error: str) -> int:
         env = {**os.environ, "GPU_CHECK_COMPILE_ERROR": error, "GPU_CHECK_T0": repr(ctx.t0)}
         return subprocess.run(cmd, env=env, timeout=None if left is None else max(left - 3, 1)).returncode
     except subprocess.TimeoutExpired:
-        from gpu_check_common import put, load
-
         entry = load(ctx.out)["sections"].get(ctx.name, {})
         put(ctx.out, ctx.name, {**entry, "status": "timeout", "error": f"eager fallback killed at the "
                                 f"section's limit (compile error: {error})"})
