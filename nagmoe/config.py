@@ -106,7 +106,8 @@ def _check_mod_thresholds(mod) -> None:
         if not 0.0 <= mod.p_thres < 1.0:
             raise ConfigError(f"model.mod.p_thres: {mod.p_thres} must be in [0, 1)")
     elif mod.p_thres is not None:
-        raise ConfigError(f"model.mod.p_thres: only for model.mod.threshold=fixed (threshold is {mod.threshold!r})")
+        raise ConfigError("model.mod.p_thres: only for model.mod.threshold=fixed (threshold is "
+                          f"{shown(mod.threshold)})")
     cap = mod.max_sublayer_skip
     if cap is not None:
         if not 0.0 < cap <= 1.0:

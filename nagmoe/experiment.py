@@ -170,7 +170,7 @@ class RunPlan:
 # Reading the file
 # ----------------------------------------------------------------------------------------------------------
 def _hint(name: str, known: list) -> str:
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6) if len(name) <= 100 else []
     return f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known) or 'none'}"
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -320,6 +321,7 @@ def export_run(run_dir: str, out: str, checkpoint: Optional[str] = None, dtype: 
         _generation_config(run).save_pretrained(tmp)
         write_atomic(os.path.join(tmp, "README.md"), model_card(run, hf_cfg, source, dtype))
         write_atomic(os.path.join(tmp, "provenance.json"), json.dumps(source, indent=1))
+        publish_file_modes(tmp)
         checked = None
         if validate:
             ids = validation_rows(run)
@@ -342,6 +344,24 @@ def export_run(run_dir: str, out: str, checkpoint: Optional[str] = None, dtype: 
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def publish_file_modes(directory: str) -> None:
+    """One mode rule for the export's files: the directory's, without execute (0644 under umask 022; 0664 under
+    002). transformers' safetensors writer leaves model.safetensors 0600, which would lock a shared tree's group
+    out of the one file that matters. The directory is our fresh temporary: its entries are ours (fchmod through
+    O_NOFOLLOW, never a link)."""
+    mode = os.stat(directory).st_mode & 0o666
+    for name in os.listdir(directory):
+        try:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # a link or something unreadable: not one of the files written above
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
 
 
 def _set_tensor(model, key: str, value: torch.Tensor) -> None:

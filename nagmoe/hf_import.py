@@ -4,15 +4,23 @@ Reads only DIR's `config.json` (bounded JSON, schema-checked: nagmoe's own confi
 and `model.safetensors` (no pickle) — never DIR's Python, which may come from anyone. Writes OUT/config.yaml
 (the exported model section, data.seq_len, train.precision; data.data_dir = OUT/data), OUT/data/tokenizer.json
 and a weights-only checkpoint OUT/checkpoints/step_<N> in the torch engine's layout (manifest verified on load
-like any other). The model is loaded with `load_state_dict(strict=True)`: a missing, extra or reshaped tensor is
-a one-line error. Continuing training from it is out of scope (no optimizer state, no data position)."""
+like any other). The weights' header is checked against the config's model before any data is read (nagmoe/
+safetensors_header.py; the model on the meta device): a missing, extra, reshaped or wrongly typed tensor (an
+integer where a weight belongs) is a one-line error, and so is a model too large for the machine. Continuing
+training from it is out of scope (no optimizer state, no data position)."""
 from __future__ import annotations
 
 import os
 
+import torch
+
 from nagmoe.errors import UserError, shown
 
 MAX_CONFIG_BYTES = 1 << 20
+_DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+                torch.bool: "BOOL", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                torch.uint8: "U8"}
+_FLOAT_WEIGHTS = {"F32", "BF16", "F16"}  # what an export holds a floating tensor as (`--dtype`, by role)
 
 
 def read_export_config(export_dir: str) -> dict:
@@ -35,20 +43,31 @@ def read_export_config(export_dir: str) -> dict:
 
 
 def import_export(export_dir: str, run_dir: str) -> str:
-    """Import (module docstring); returns the checkpoint written."""
-    from nagmoe.checkpoint.run_dir import CONFIG_FILE
-    from nagmoe.checkpoint.torch_layout import save_checkpoint
-    from nagmoe.config import config_from_dict
-    from nagmoe.data.tokenizer import bos_id, check_vocab, read_tokenizer_bytes, tokenizer_from_bytes
-    from nagmoe.hf_export import PREFIX
-    from nagmoe.model import build_model
-    from nagmoe.safe_files import write_atomic
-    from nagmoe.schema import dump_yaml
-
+    """Import (module docstring); returns the checkpoint written. Everything is checked before anything is
+    allocated or written: the config, the tokenizer (bounded), then the weights' header against the model the
+    config describes (built on the meta device: shapes and dtypes, no memory); a model the machine cannot hold
+    is refused by its size, and a MemoryError that still happens anywhere is one line. A failure leaves OUT as
+    it was (absent, or empty)."""
     if not os.path.isdir(export_dir):
         raise UserError(f"import-hf: {shown(export_dir)} is not a directory")
     if os.path.lexists(run_dir) and (not os.path.isdir(run_dir) or os.listdir(run_dir)):
         raise UserError(f"--run-dir: {shown(run_dir)} exists and is not an empty directory (nothing is overwritten)")
+    existed = os.path.isdir(run_dir)  # and empty: everything in it after a failure is ours to remove
+    try:
+        return _import(export_dir, run_dir)
+    except MemoryError:
+        _clear(run_dir, existed)
+        raise UserError(f"import-hf: {shown(export_dir)}: out of memory while importing it (config.json's model "
+                        "or a file is larger than this process can hold)") from None
+    except BaseException:
+        _clear(run_dir, existed)
+        raise
+
+
+def _import(export_dir: str, run_dir: str) -> str:
+    from nagmoe.config import config_from_dict
+    from nagmoe.data.tokenizer import bos_id, check_vocab, read_tokenizer_bytes, tokenizer_from_bytes
+
     data = read_export_config(export_dir)
     data_dir = os.path.join(os.path.abspath(run_dir), "data")
     cfg = config_from_dict({"model": data["nagmoe_model"],
@@ -62,32 +81,142 @@ def import_export(export_dir: str, run_dir: str) -> str:
     weights = os.path.join(export_dir, "model.safetensors")
     if not os.path.isfile(weights):
         raise UserError(f"{shown(export_dir)}: no model.safetensors (sharded exports are not supported)")
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(weights)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise UserError(f"{shown(weights)}: not a readable safetensors file ({shown(str(e), 120)})") from None
-    outside = [k for k in tensors if not k.startswith(PREFIX)]
-    if outside:
-        raise UserError(f"{shown(weights)}: tensor {shown(outside[0])} is outside the {PREFIX!r} prefix")
-    model = build_model(cfg.model, seed=0)  # every tensor is overwritten below; the caller's RNG stays as it was
-    state = {k[len(PREFIX):]: v for k, v in tensors.items()}
-    expected = model.state_dict()
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or extra:
-        raise UserError(f"{shown(weights)}: does not match the config's model ({len(missing)} missing, e.g. "
-                        f"{shown(missing[:2])}; {len(extra)} unexpected, e.g. {shown(extra[:2])})")
-    for key, t in state.items():
-        if t.shape != expected[key].shape:
-            raise UserError(f"{shown(weights)}: {shown(key)} has shape {tuple(t.shape)}, the config's model "
-                            f"{tuple(expected[key].shape)}")
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
+    expected = check_weights_header(weights, cfg.model)
+    check_memory(expected, weights)
     source = data.get("source") if isinstance(data.get("source"), dict) else {}
     step = source.get("step") if isinstance(source.get("step"), int) and 0 <= source.get("step") < 2 ** 62 else 0
+    model = load_weights(weights, cfg.model)
+    return _write_run(run_dir, cfg, tok_bytes, model, step, export_dir)
+
+
+def expected_tensors(model_cfg) -> dict:
+    """{key: meta tensor} of the state dict of the model `model_cfg` describes: shapes and dtypes, no storage."""
+    from nagmoe.model import build_model
+
+    return build_model(model_cfg, device="meta").state_dict()
+
+
+def check_weights_header(weights: str, model_cfg) -> dict:
+    """The header of `weights` against the config's model, before a byte of data is mapped: the total size
+    first (no model is built for a file that cannot be its weights), then names, shapes and dtypes. Returns the
+    expected {key: meta tensor}."""
+    from nagmoe.flops import param_counts
+    from nagmoe.hf_export import PREFIX
+    from nagmoe.safetensors_header import read_header, total_elements
+
+    where = shown(weights)
+    entries = read_header(weights)
+    outside = [k for k in entries if not k.startswith(PREFIX)]
+    if outside:
+        raise UserError(f"{where}: tensor {shown(outside[0])} is outside the {PREFIX!r} prefix")
+    params, held = param_counts(model_cfg)["total"], total_elements(entries)
+    if params > held:  # the header's values include buffers: parameters alone must fit in them
+        raise UserError(f"{where}: holds {held:,} values, the config's model has {params:,} parameters (config.json "
+                        "and the weights do not belong together)")
+    expected = expected_tensors(model_cfg)
+    state = {k[len(PREFIX):]: e for k, e in entries.items()}
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        raise UserError(f"{where}: does not match the config's model ({len(missing)} missing, e.g. "
+                        f"{shown(missing[:2])}; {len(extra)} unexpected, e.g. {shown(extra[:2])})")
+    for key, e in state.items():
+        want = expected[key]
+        if e.shape != tuple(want.shape):
+            raise UserError(f"{where}: {shown(PREFIX + key)} has shape {shown(e.shape, 80)}, the config's model "
+                            f"{tuple(want.shape)}")
+        allowed = {_DTYPE_NAMES[want.dtype]} | (_FLOAT_WEIGHTS if want.dtype.is_floating_point else set())
+        if e.dtype not in allowed:
+            raise UserError(f"{where}: {shown(PREFIX + key)} has dtype {e.dtype}; the model holds it as "
+                            f"{', '.join(sorted(allowed))}")
+    return expected
+
+
+def model_bytes(expected: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in expected.values())
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2 ** 30:.3g}"
+
+
+def check_memory(expected: dict, weights: str) -> None:
+    """Refuse a model this process cannot hold (the weights plus one tensor being read), instead of the OOM
+    killer or a MemoryError deep inside torch: the bound is /proc/meminfo's MemAvailable and the address-space
+    limit left (RLIMIT_AS), whichever is smaller; unknown bounds are no bound."""
+    need = model_bytes(expected) + max((t.numel() * 4 for t in expected.values()), default=0)
+    have = available_memory()
+    if have is not None and need > have:
+        raise UserError(f"{shown(weights)}: the model needs about {_gib(need)} GiB of memory, this process has "
+                        f"{_gib(have)} GiB available")
+
+
+def available_memory():
+    import resource
+
+    bounds = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    bounds.append(int(line.split()[1]) * 1024)
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/status") as f:
+                vm = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:")), 0)
+            bounds.append(max(soft - vm, 0))
+    except (OSError, ValueError):
+        pass
+    return min(bounds) if bounds else None
+
+
+def load_weights(weights: str, model_cfg):
+    """The model with every tensor read from `weights` (header already checked: the same keys, shapes and
+    allowed dtypes), one tensor at a time (the peak is the model plus one tensor, not two models)."""
+    from safetensors import SafetensorError, safe_open
+
+    from nagmoe.hf_export import PREFIX
+    from nagmoe.model import build_model
+
+    model = build_model(model_cfg, seed=0)  # every tensor is overwritten below; the caller's RNG stays as it was
+    state = model.state_dict()
+    try:
+        with safe_open(weights, framework="pt") as f, torch.no_grad():
+            for key in f.keys():
+                target = state.get(key[len(PREFIX):])
+                if target is None:  # the header was checked: the file changed since
+                    raise UserError(f"{shown(weights)}: changed while it was being imported ({shown(key)})")
+                target.copy_(f.get_tensor(key))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{shown(weights)}: not a readable safetensors file ({shown(str(e), 120)})") from None
+    except RuntimeError as e:
+        if "alloc" in str(e):  # torch's DefaultCPUAllocator under an address-space limit
+            raise MemoryError from None
+        raise
+    return model
+
+
+def _write_run(run_dir: str, cfg, tok_bytes: bytes, model, step: int, export_dir: str) -> str:
+    from nagmoe.checkpoint.run_dir import CONFIG_FILE
+    from nagmoe.checkpoint.torch_layout import save_checkpoint
+    from nagmoe.safe_files import write_atomic
+    from nagmoe.schema import dump_yaml
+
+    data_dir = cfg.data.data_dir
     os.makedirs(data_dir, exist_ok=True)
     write_atomic(os.path.join(data_dir, "tokenizer.json"), tok_bytes)
     write_atomic(os.path.join(run_dir, CONFIG_FILE), dump_yaml(cfg), durable=True)
     return save_checkpoint(run_dir, step, model, extra_state={"step": step, "imported_from": os.path.abspath(
         export_dir)[:4096]}, keep=1)
+
+
+def _clear(run_dir: str, existed: bool) -> None:
+    """Undo a failed import: OUT was absent or empty (checked first), so what is in it now is ours."""
+    import shutil
+
+    if not existed:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    elif os.path.isdir(run_dir):
+        for name in os.listdir(run_dir):
+            path = os.path.join(run_dir, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) and not os.path.islink(path) \
+                else os.unlink(path)

@@ -327,7 +327,10 @@ def _coerce_unbounded(key: str, value: Any, tp) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: {shown(value)} is not a number")
         if isinstance(value, (int, float)):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an integer beyond 1.8e308 (YAML reads 10**400 as an int)
+                raise ConfigError(f"{key}: {shown(value, 60)} is out of range (not a finite number)") from None
         if isinstance(value, str):
             try:
                 return float(value.replace("_", ""))
@@ -363,12 +366,15 @@ def _coerce(key: str, value: Any, tp) -> Any:
 
 
 def _unknown_key(key: str, known: Iterable[str]) -> ConfigError:
+    """The key shown bounded (a 1 MB key is a few hundred characters); a near miss suggested only for keys of a
+    plausible length (difflib is quadratic in the worst case)."""
     known = list(known)
     leaf = key.rsplit(".", 1)[-1]
     prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
-    close = difflib.get_close_matches(leaf, known, n=1, cutoff=0.6)
-    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys here: {', '.join(known)}"
-    return ConfigError(f"unknown config key '{key}'{hint}")
+    close = difflib.get_close_matches(leaf, known, n=1, cutoff=0.6) if len(leaf) <= 100 else []
+    hint = (f"; did you mean {shown(prefix + close[0])}?" if close
+            else f"; known keys here: {', '.join(known)}")
+    return ConfigError(f"unknown config key {shown(key)}{hint}")
 
 
 def _from_dict(cls, data: dict, prefix: str = ""):
@@ -377,6 +383,8 @@ def _from_dict(cls, data: dict, prefix: str = ""):
     types = _field_types(cls)
     kwargs = {}
     for k, v in data.items():
+        if not isinstance(k, str):  # YAML allows any key; str() of a 5,000-digit integer key would raise
+            raise ConfigError(f"{prefix.rstrip('.') or 'config'}: key {shown(k, 60)} is not a string")
         key = f"{prefix}{k}"
         if k not in types:
             raise _unknown_key(key, types)
@@ -428,7 +436,7 @@ def set_key(cfg, dotted: str, raw_value: Any) -> None:
         if i == len(parts) - 1:
             tp = types[part]
             if dataclasses.is_dataclass(tp):
-                raise ConfigError(f"{dotted}: is a section; set one of its keys ({', '.join(_field_types(tp))})")
+                raise ConfigError(f"{shown(dotted)}: is a section; set one of its keys ({', '.join(_field_types(tp))})")
             value = raw_value
             if isinstance(raw_value, str):
                 try:
@@ -442,7 +450,7 @@ def set_key(cfg, dotted: str, raw_value: Any) -> None:
         else:
             obj = getattr(obj, part)
             if not dataclasses.is_dataclass(obj):
-                raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a section, cannot set '{dotted}'")
+                raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a section, cannot set {shown(dotted)}")
 
 
 # ----------------------------------------------------------------------------------------------------------

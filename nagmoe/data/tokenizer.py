@@ -14,12 +14,13 @@ from typing import Iterable
 
 import numpy as np
 
-from nagmoe.errors import UserError
+from nagmoe.errors import UserError, shown
 from nagmoe.safe_files import write_atomic
 
 BOS = "<|bos|>"
 BOS_CANDIDATES = (BOS, "<|endoftext|>", "<|begin_of_text|>", "<s>", "<bos>")
 MIN_BYTE_LEVEL_VOCAB = 257  # 256 byte symbols + <|bos|>
+MAX_TOKENIZER_BYTES = 64 << 20  # a 256k-token BPE is ~20 MB; config.json's cap is 1 MiB
 
 
 def file_sha256(path: str, chunk: int = 1 << 22) -> str:
@@ -54,22 +55,33 @@ def load_tokenizer(path: str):
     from tokenizers import Tokenizer
 
     if not os.path.isfile(path):
-        raise UserError(f"tokenizer not found: {path}")
+        raise UserError(f"tokenizer not found: {shown(path)}")
+    _check_size(os.path.getsize(path), path)
     try:
         return Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception for malformed JSON
-        raise UserError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0][:160]})") from None
+        raise UserError(f"{shown(path)}: not a valid tokenizer.json ({str(e).splitlines()[0][:160]})") from None
+
+
+def _check_size(size: int, path: str) -> None:
+    if size > MAX_TOKENIZER_BYTES:
+        raise UserError(f"{shown(path)}: {size:,} bytes is too large for a tokenizer.json (at most "
+                        f"{MAX_TOKENIZER_BYTES:,})")
 
 
 def read_tokenizer_bytes(path: str) -> bytes:
-    """The file's bytes, read once (a caller hashes and loads the same bytes: no swap in between)."""
+    """The file's bytes, read once (a caller hashes and loads the same bytes: no swap in between), at most
+    MAX_TOKENIZER_BYTES (checked on the open file, and the read bounded: a file growing meanwhile is refused too)."""
     try:
         with open(path, "rb") as f:
-            return f.read()
+            _check_size(os.fstat(f.fileno()).st_size, path)
+            data = f.read(MAX_TOKENIZER_BYTES + 1)
     except FileNotFoundError:
-        raise UserError(f"tokenizer not found: {path}") from None
+        raise UserError(f"tokenizer not found: {shown(path)}") from None
     except OSError as e:
-        raise UserError(f"{path}: unreadable tokenizer ({e.strerror})") from None
+        raise UserError(f"{shown(path)}: unreadable tokenizer ({e.strerror})") from None
+    _check_size(len(data), path)
+    return data
 
 
 def tokenizer_from_bytes(data: bytes, path: str):
@@ -79,7 +91,8 @@ def tokenizer_from_bytes(data: bytes, path: str):
     try:
         return Tokenizer.from_str(data.decode("utf-8"))
     except Exception as e:  # UnicodeDecodeError, or tokenizers' bare Exception for malformed JSON
-        raise UserError(f"{path}: not a valid tokenizer.json ({(str(e).splitlines() or [''])[0][:160]})") from None
+        raise UserError(f"{shown(path)}: not a valid tokenizer.json ({(str(e).splitlines() or [''])[0][:160]})") \
+            from None
 
 
 def save_tokenizer(tok, path: str) -> None:
@@ -94,7 +107,7 @@ def vocab_size_of(tok) -> int:
 def check_vocab(tok, vocab_size: int, path: str) -> None:
     got = vocab_size_of(tok)
     if got != vocab_size:
-        raise UserError(f"tokenizer/model vocab mismatch: {path} has {got} tokens, model.vocab_size={vocab_size}")
+        raise UserError(f"tokenizer/model vocab mismatch: {shown(path)} has {got} tokens, model.vocab_size={vocab_size}")
 
 
 def bos_id(tok, path: str) -> int:
@@ -102,7 +115,7 @@ def bos_id(tok, path: str) -> int:
         i = tok.token_to_id(name)
         if i is not None:
             return int(i)
-    raise UserError(f"{path}: no BOS token (looked for {', '.join(BOS_CANDIDATES)})")
+    raise UserError(f"{shown(path)}: no BOS token (looked for {', '.join(BOS_CANDIDATES)})")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
