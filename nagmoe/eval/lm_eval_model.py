@@ -11,6 +11,9 @@ request at a time with the inference cache, stopped at BOS or any `until` string
 For loglikelihood_rolling pass `add_bos_token=False` (both here and to `hf`): lm-eval then prefixes each
 document's first window with the BOS itself, which is nagmoe's document start; with BOS added by the tokenizer
 the BOS would be scored as a first token after a BOS.
+
+lm-eval's own command line finds this model through `python -m nagmoe.eval.lm_eval_cli` (nagmoe/eval/lm_eval_cli.py);
+`nagmoe eval --lm-eval` passes `--model-args` through `parse_model_args`.
 """
 from __future__ import annotations
 
@@ -18,11 +21,44 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import lm_eval.models  # noqa: F401  (lm-eval fills its registry only while empty: keep `hf` & co. findable)
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval import utils as lm_utils
 
-from nagmoe.errors import UserError
+from nagmoe.errors import UserError, shown
+
+# model_args `nagmoe eval --model-args` passes on (run_dir, batch_size and device are its own options)
+MODEL_ARGS = ("add_bos_token", "max_length", "checkpoint")
+# what lm-eval's command line may add to any model's arguments; meaningless here (nagmoe runs its own code)
+IGNORED_ARGS = ("max_batch_size", "trust_remote_code")
+OWN_OPTIONS = {"run_dir": "--run-dir", "batch_size": "--batch-size", "device": "--device"}
+
+
+def parse_model_args(text: str) -> dict:
+    """`K=V[,K=V...]` of `nagmoe eval --model-args` as NagmoeLM keyword arguments (values stay text)."""
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise UserError(f"--model-args: {shown(item)} is not key=value")
+        key = key.strip()
+        if key in OWN_OPTIONS:
+            raise UserError(f"--model-args: give {key} as {OWN_OPTIONS[key]}")
+        if key not in MODEL_ARGS:
+            raise UserError(f"--model-args: unknown key {shown(key)} (known: {', '.join(MODEL_ARGS)})")
+        out[key] = value.strip()
+    _flag(out.get("add_bos_token"))
+    _length(out.get("max_length"))
+    return out
+
+
+def bos_convention(add_bos_token) -> str:
+    """How a loglikelihood_rolling task scores each document's start under `add_bos_token`."""
+    if _flag(add_bos_token) is False:
+        return "add_bos_token=False (lm-eval prefixes the BOS itself)"
+    return ("add_bos_token=True (the tokenizer's BOS is scored after lm-eval's; add_bos_token=False scores from "
+            "nagmoe's document start)")
 
 
 def _flag(value) -> Optional[bool]:
@@ -33,7 +69,27 @@ def _flag(value) -> Optional[bool]:
         return True
     if text in ("false", "0", "no"):
         return False
-    raise UserError(f"lm-eval model_args add_bos_token: {value!r} is not true or false")
+    raise UserError(f"lm-eval model_args add_bos_token: {shown(value)} is not true or false")
+
+
+def _length(value) -> Optional[int]:
+    if value is None or value == "":
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise UserError(f"lm-eval model_args max_length: {shown(value)} is not a positive integer")
+    return n
+
+
+def _device(device: str) -> str:
+    # lm-eval's command line defaults to cuda:0; say so in one line rather than fail deep in torch
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"lm-eval model nagmoe: device {shown(device)} but no CUDA device is visible "
+                        "(pass --device cpu)")
+    return str(device)
 
 
 @register_model("nagmoe")
@@ -41,17 +97,22 @@ class NagmoeLM(TemplateLM):
     def __init__(self, run_dir: str = None, checkpoint: Optional[str] = None, batch_size=1, device: str = "cpu",
                  add_bos_token=None, max_length: Optional[int] = None, **kwargs):
         super().__init__()
+        unknown = [k for k in kwargs if k not in IGNORED_ARGS]
+        if unknown:  # a misspelt add_bos_token must not be dropped silently
+            raise UserError(f"lm-eval model nagmoe: unknown model_args key {shown(unknown[0])} "
+                            f"(known: run_dir, batch_size, device, {', '.join(MODEL_ARGS)})")
         if not run_dir:
             raise UserError("lm-eval model nagmoe: model_args needs run_dir=DIR")
         from nagmoe.eval.generate import load_run
 
-        self.run = load_run(run_dir, device, checkpoint)
+        self.add_bos_token = _flag(add_bos_token)
+        device = _device(device)
+        self.run = load_run(str(run_dir), device, checkpoint or None)
         self.model = self.run.model
         self.tokenizer = None  # no chat template (TemplateLM.chat_template reads this)
         self.bos = self.run.bos_id
-        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
-        self.add_bos_token = _flag(add_bos_token)
-        self._max_length = int(max_length) if max_length else self.run.config.model.max_seq_len
+        self.batch_size = int(batch_size) if not str(batch_size).startswith("auto") else 8  # auto[:N]: 8
+        self._max_length = _length(max_length) or self.run.config.model.max_seq_len
         self._device = torch.device(device)
 
     # ---------------------------------------------------------------------------------------- tokenisation

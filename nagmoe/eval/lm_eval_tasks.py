@@ -5,6 +5,8 @@ task in a directory for lm-eval's `--include_path`, offline (`dataset_path: json
     schema             -> the multiple-input form (as winogrande): text = the gold index, choices = the contexts,
                           target = the shared continuation
     language_modeling  -> output_type loglikelihood: text = context, target = continuation; `acc` = is_greedy
+    rolling            -> output_type loglikelihood_rolling (`write_rolling_task`): documents scored whole, word/byte
+                          perplexity and bits per byte; `nagmoe_shakespeare_scenes` holds the validation scenes
 
 Few-shot examples are drawn by nagmoe's rule (tasks.fewshot_prefix) and baked into each document's text, so the
 lm-eval task has `num_fewshot: 0` and both harnesses see the same prompts. The texts equal nagmoe's rendering:
@@ -74,16 +76,31 @@ def write_tasks(tasks: list[Task], out_dir: str) -> list[str]:
     return names
 
 
+# lm-eval's loglikelihood_rolling metrics with their registered aggregations, as its own wikitext task has them
+ROLLING_METRICS = [{"metric": "word_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+                   {"metric": "byte_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+                   {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False}]
+SCENES_TASK = PREFIX + "shakespeare_scenes"
+
+
 def write_rolling_task(texts: list[str], out_dir: str, name: str) -> str:
     """Documents scored whole (output_type loglikelihood_rolling: word/byte perplexity, bits_per_byte)."""
     os.makedirs(out_dir, exist_ok=True)
     data = os.path.join(out_dir, name + ".jsonl")
     write_atomic(data, "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts))
+    # doc_to_target names the column, not a template: the text verbatim (Jinja would drop a trailing newline and
+    # lm-eval would parse a text in brackets as a list)
     spec = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": os.path.abspath(data)}},
             "test_split": "test", "num_fewshot": 0, "output_type": "loglikelihood_rolling", "doc_to_text": "",
-            "doc_to_target": "{{text}}", "should_decontaminate": False,
-            "metric_list": [{"metric": m, "aggregation": m, "higher_is_better": False}
-                            for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")],
+            "doc_to_target": "text", "should_decontaminate": False, "metric_list": ROLLING_METRICS,
             "metadata": {"version": 1, "source": "nagmoe"}}
     write_atomic(os.path.join(out_dir, name + ".yaml"), yaml.safe_dump(spec, sort_keys=False))
     return name
+
+
+def write_scenes_task(val_fraction: float, out_dir: str) -> str:
+    """The Shakespeare validation scenes (split by the run's val_fraction) as a rolling task: lm-eval's
+    bits per byte of the run, each scene one document."""
+    from nagmoe.eval.offline_task import validation_scenes
+
+    return write_rolling_task(validation_scenes(val_fraction), out_dir, SCENES_TASK)

@@ -15,6 +15,7 @@ import torch
 from nagmoe.cli import main
 
 ITEMS = 24
+NEXT_LINE = "nagmoe_shakespeare_next_line"  # next to it in the tasks dir: the rolling nagmoe_shakespeare_scenes
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +36,10 @@ def setup(exported_run, tmp_path_factory):
 
 def requests(tasks_dir):
     """(context, continuation) of every option of the converted Shakespeare task, as lm-eval builds them."""
-    docs = [json.loads(line) for line in open(glob.glob(os.path.join(tasks_dir, "*.jsonl"))[0])]
+    docs = [json.loads(line) for line in open(os.path.join(tasks_dir, NEXT_LINE + ".jsonl"))]
     import yaml
 
-    delim = yaml.safe_load(open(glob.glob(os.path.join(tasks_dir, "*.yaml"))[0]))["target_delimiter"]
+    delim = yaml.safe_load(open(os.path.join(tasks_dir, NEXT_LINE + ".yaml")))["target_delimiter"]
     return docs, [SimpleNamespace(args=(d["query"], delim + c)) for d in docs for c in d["choices"]]
 
 
@@ -52,7 +53,7 @@ def test_converted_task_is_zero_shot_with_choices_differing_after_the_delimiter(
 
     run = load_run(setup.run_dir)
     assert len(docs) == ITEMS
-    spec = yaml.safe_load(open(glob.glob(os.path.join(setup.tasks, "*.yaml"))[0]))
+    spec = yaml.safe_load(open(os.path.join(setup.tasks, NEXT_LINE + ".yaml")))
     assert spec["num_fewshot"] == 0 and spec["output_type"] == "multiple_choice"
     delim = spec["target_delimiter"]
     for d in docs:
@@ -75,7 +76,7 @@ def test_acc_of_both_harness_models_equals_our_decision_sum(setup, tmp_path):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=setup.tasks)
+    manager = TaskManager(include_path=setup.tasks, include_defaults=False)  # lm-eval's own YAMLs: seconds
     task = "nagmoe_shakespeare_next_line"
     accs = []
     for model in (setup.hf(batch_size=8), setup.native(batch_size=8)):
