@@ -178,6 +178,9 @@ class TrainConfig:
     gate_collapse_every: int = 100  # gate-collapse check every N steps after the injection warm-up (0 = off)
     gate_collapse_fraction: float = 0.25  # alarm when more than this fraction of NAG gates has gain < 0.05
     gate_collapse_stop: bool = False  # on the alarm: checkpoint and stop (exit 4) instead of only warning
+    # the progress watchdog (nagmoe/train/hang_watchdog.py): no progress for this long ends the process (exit 76);
+    # null = max(20 x median step time, 180 s), 0 = off (a saved config without the key reads 0, LEGACY_VALUES)
+    hang_timeout_s: Optional[float] = None
 
 
 @dataclass
@@ -243,7 +246,7 @@ NON_NEGATIVE = (
     "train.checkpoint_every",
     "train.eval_every", "train.weight_decay", "train.grad_clip", "log.stats_every", "train.gate_collapse_every",
     "model.moe.lb_loss_weight", "model.moe.z_loss_weight", "train.seed", "train.lr_matrix", "train.lr_embed",
-    "train.lr_unembed", "train.lr_scalar", "train.lr_gate", "train.lr_router",
+    "train.lr_unembed", "train.lr_scalar", "train.lr_gate", "train.lr_router", "train.hang_timeout_s",
 )
 # Keys added after runs existed, with the value that reproduces the behaviour of a run dir whose saved config
 # predates them (the migration rule: new runs get the default, an old run dir resumes as it was).
@@ -256,6 +259,7 @@ LEGACY_VALUES = {
     "train.compile": "false",
     "train.precision": "legacy",
     "train.export_hf_at_end": False,
+    "train.hang_timeout_s": 0.0,
     "model.moe.expert_bias": False,
     "model.moe.bias_update_rate": 1e-3,
     "model.moe.lb_granularity": "micro_batch",
@@ -265,7 +269,8 @@ LEGACY_VALUES = {
 # b, as DeepSeek-V3 ends).
 RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every",
                   "train.keep_checkpoints", "log.wandb", "train.checkpoint_every_minutes",
-                  "train.keep_milestone_every_tokens", "train.export_hf_at_end", "model.moe.bias_update_rate")
+                  "train.keep_milestone_every_tokens", "train.export_hf_at_end", "model.moe.bias_update_rate",
+                  "train.hang_timeout_s")
 # Keys of the parallel layout that may change too (issue 25): the torch engine reshards a checkpoint on load
 # (nagmoe.checkpoint.torch_layout), so a run resumes on another world size, EP degree or micro-batch; the
 # global batch (train.batch_tokens) may not change. train.compile (issue 26) changes how the step runs, not

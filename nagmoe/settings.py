@@ -43,6 +43,19 @@ DEFAULT_LEASE_REFRESH_S, DEFAULT_LEASE_STALE_S = 5.0, 600.0
 DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT_S = "NAGMOE_DIST_TIMEOUT_S", 1800.0  # torch's gloo default
 
 
+HANG_LONG_PHASE_ENV, HANG_TERM_GRACE_ENV = "NAGMOE_HANG_LONG_PHASE_S", "NAGMOE_HANG_TERM_GRACE_S"
+# the first step (compilation) and checkpoint saves / evaluations get at least this; after a SIGTERM with no
+# progress, the process ends after this grace: inside Slurm's default KillWait of 30 s
+DEFAULT_HANG_LONG_PHASE_S, DEFAULT_HANG_TERM_GRACE_S = 900.0, 20.0
+
+
+def hang_allowances(environ: Optional[Mapping[str, str]] = None) -> tuple[float, float]:
+    """(long_phase_s, term_grace_s) of the progress watchdog (nagmoe/train/hang_watchdog.py): the allowance of
+    the first step, a checkpoint save or an evaluation, and how long after a SIGTERM a step may stay blocked."""
+    return (env_seconds(HANG_LONG_PHASE_ENV, DEFAULT_HANG_LONG_PHASE_S, environ, upper=DAY_S),
+            env_seconds(HANG_TERM_GRACE_ENV, DEFAULT_HANG_TERM_GRACE_S, environ, upper=DAY_S))
+
+
 def lease_intervals(environ: Optional[Mapping[str, str]] = None) -> tuple[float, float]:
     """(refresh_s, stale_s) of the run-dir lease: how often the holder rewrites it, and how long unrefreshed
     before another trainer may take it over. refresh <= stale / 3, so a live holder refreshes at least twice
@@ -69,4 +82,5 @@ def check_start_settings(environ: Optional[Mapping[str, str]] = None, announce: 
 
     lease_intervals(environ)
     dist_timeout_setting(environ)
+    hang_allowances(environ)
     check_job_environment(environ, announce)

@@ -56,6 +56,7 @@ from nagmoe.train.guards import (
     EXIT_GATE_COLLAPSE, EXIT_NONFINITE, TrainingHalted, collapsed_fraction, gate_collapse_message, is_nonfinite,
     locate_nonfinite, nonfinite_message, realised_gains, warn)
 from nagmoe.train.preemption import PreemptionWatch
+from nagmoe.train.hang_watchdog import start_watchdog
 from nagmoe.train.precision_context import TrainingPrecision, reusable_autocast
 from nagmoe.checkpoint.run_dir import (adopt_legacy_values, prepare_run_dir, read_run_info, update_run_info,
                                       write_run_info, write_summary)
@@ -549,14 +550,17 @@ class Trainer:
         started = time.perf_counter()
         wall0 = self.progress.wall_s
         preemption = PreemptionWatch(self.run_dir, self.rank).install()  # SIGUSR1/SIGTERM or a request file
+        watchdog = start_watchdog(self.rank, t.hang_timeout_s, self.progress.step)  # a hang ends in bounded time
         try:
             while not self.should_stop():
                 if preemption.requested():  # all ranks agree; checkpoint, marker, raise Preempted (exit 75)
-                    preemption.stop(self.checkpoint, self.progress.step)
+                    with watchdog.phase("the preemption checkpoint"):
+                        preemption.stop(self.checkpoint, self.progress.step)
                 t0 = time.perf_counter()
                 flops_before = self.progress.flops
                 rec = self.train_step()
                 dt = time.perf_counter() - t0
+                watchdog.step_done(self.progress.step, dt)
                 self.progress.wall_s = wall0 + time.perf_counter() - started
                 step, last = self.progress.step, self.should_stop()
                 logged = last or step % self.cfg.log.every == 0
@@ -566,7 +570,8 @@ class Trainer:
                        **({"router": router} if router is not None else {})}
                 gate_stop = self._gate_check(rec)  # the gate-collapse alarm: a warning and metrics fields
                 if last or (t.eval_every and step % t.eval_every == 0):
-                    val_bpb = rec["val_bpb"] = self.evaluate()
+                    with watchdog.phase("an evaluation"):
+                        val_bpb = rec["val_bpb"] = self.evaluate()
                 if last or step % self.cfg.log.every == 0 or "val_bpb" in rec:
                     self.fence()  # every rank: a lost lease stops them all before rank 0 writes
                     if metrics is not None:
@@ -577,13 +582,15 @@ class Trainer:
                     progress_log.update(rec, self.progress.flops - flops_before, dt, last, val_bpb)
                 save, milestone = self.checkpoint_schedule().due(step, self.progress.tokens, last or gate_stop)
                 if save:  # steps, minutes (rank 0's clock), milestones, the last step
-                    self.checkpoint(milestone, fatal=last or gate_stop)
+                    with watchdog.phase("a checkpoint save"):
+                        self.checkpoint(milestone, fatal=last or gate_stop)
                 if gate_stop:
                     raise TrainingHalted(f"stopped by the gate-collapse alarm at step {step} (checkpoint "
                                          "written)", EXIT_GATE_COLLAPSE)
             if val_bpb is None:  # nothing left to train (e.g. resumed at the stop): evaluate for the summary
                 val_bpb = self.evaluate()
         finally:
+            watchdog.stop()
             preemption.uninstall()
             if progress_log is not None:
                 progress_log.close()

@@ -1,0 +1,183 @@
+"""The progress watchdog: a hang becomes a failure in bounded time (issue 51 item 4).
+
+A collective whose peer is gone (a host lost, a network partition) or a stuck file system blocks the main thread
+inside C code, where no exception, no timeout of ours and no Python signal handler reaches it; torch's own
+process-group timeout is 30 min (gloo) or 10 min (NCCL) per collective, and a partitioned gloo peer was seen to
+hang a rank for 7 min before Slurm noticed. A daemon thread watches the time since the main thread last showed
+progress (a completed step, or the start of a long phase) and fires when it exceeds the allowance:
+
+    limit      = train.hang_timeout_s when > 0, else max(HANG_MULTIPLE x median recent step time, HANG_FLOOR_S)
+    allowance  = limit after a step; max(limit, long_phase_s) for the first step (compilation, data) and inside
+                 a long phase (a checkpoint save, an evaluation): `with watchdog.phase("checkpoint save"):`
+    SIGTERM    = Slurm's stop or torchrun's forwarding: the preemption handler waits for a step boundary that a
+                 hung step never reaches; with no progress TERM_GRACE_S after the signal the watchdog fires,
+                 inside Slurm's default KillWait (30 s). The signal is seen through `signal.set_wakeup_fd` (the
+                 C-level handler writes the signal number there even while the main thread is blocked).
+
+Firing writes one line naming the rank, host and last completed step, dumps every thread's Python stack to
+stderr (the rank's log; `faulthandler`), and ends the process with EXIT_HUNG through `os._exit` (the main
+thread cannot be interrupted), so the launcher sees a failed step and can restart from the last checkpoint.
+The step path costs two attribute writes (`step_done`): no lock, no host sync, nothing collective.
+"""
+from __future__ import annotations
+
+import collections
+import faulthandler
+import os
+import select
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+from nagmoe.settings import DEFAULT_HANG_LONG_PHASE_S as LONG_PHASE_S, DEFAULT_HANG_TERM_GRACE_S as TERM_GRACE_S
+from nagmoe.settings import hang_allowances
+
+EXIT_HUNG = 76  # EX_PROTOCOL (sysexits.h): a peer or the file system stopped answering; a restart may cure it
+HANG_MULTIPLE, HANG_FLOOR_S = 20.0, 180.0  # the derived limit: max(20 x median step, 180 s)
+RECENT_STEPS = 50
+
+
+class ProgressWatchdog:
+    """See the module docstring. `start()` from the main thread before the loop, `step_done(step, seconds)`
+    after each step, `phase(name)` around long phases, `stop()` in a finally."""
+
+    def __init__(self, rank: int, timeout_s: Optional[float] = None, long_phase_s: float = LONG_PHASE_S,
+                 term_grace_s: float = TERM_GRACE_S, first_step: int = 0,
+                 exit_fn: Callable[[int], None] = os._exit, stream=None):
+        self.rank, self.host = rank, socket.gethostname()
+        self.fixed_limit = timeout_s if timeout_s and timeout_s > 0 else None
+        self.long_phase_s, self.term_grace_s = long_phase_s, term_grace_s
+        self.exit_fn, self.stream = exit_fn, stream
+        self.last_step = first_step
+        self.last_progress = time.monotonic()
+        self.phase_name: Optional[str] = "the first step"  # the first step is a long phase
+        self.term_at: Optional[float] = None
+        self.fired: Optional[str] = None
+        self._step_times: collections.deque = collections.deque(maxlen=RECENT_STEPS)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._wake_r = self._wake_w = None
+        self._previous_wakeup_fd: Optional[int] = None
+
+    # ------------------------------------------------------------------------------------ the main thread
+    def start(self) -> "ProgressWatchdog":
+        if threading.current_thread() is threading.main_thread():  # set_wakeup_fd works from there only
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_w, False)
+            os.set_blocking(self._wake_r, False)
+            self._previous_wakeup_fd = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="nagmoe-progress-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def step_done(self, step: int, seconds: float) -> None:
+        """A step completed (two attribute writes and a deque append: GIL-atomic, no lock)."""
+        self._step_times.append(seconds)
+        self.last_step, self.phase_name, self.last_progress = step, None, time.monotonic()
+
+    @contextmanager
+    def phase(self, name: str):
+        """A phase allowed `long_phase_s` (progress when it starts and when it ends)."""
+        self.phase_name, self.last_progress = name, time.monotonic()
+        try:
+            yield
+        finally:
+            self.phase_name, self.last_progress = None, time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._wake_w is not None:
+            signal.set_wakeup_fd(self._previous_wakeup_fd if self._previous_wakeup_fd is not None else -1)
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            self._wake_r = self._wake_w = None
+
+    # ------------------------------------------------------------------------------------ the watch thread
+    def limit(self) -> float:
+        """Seconds without progress that count as a hang now (module docstring)."""
+        if self.fixed_limit is not None:
+            base = self.fixed_limit
+        else:
+            times = list(self._step_times)
+            base = max(HANG_MULTIPLE * statistics.median(times), HANG_FLOOR_S) if times else HANG_FLOOR_S
+        return max(base, self.long_phase_s) if self.phase_name is not None else base
+
+    def check(self, now: float) -> Optional[str]:
+        """Why the process is hung at monotonic time `now`, or None."""
+        waited = now - self.last_progress
+        if self.term_at is not None and self.last_progress < self.term_at and now - self.term_at > self.term_grace_s:
+            return f"SIGTERM {now - self.term_at:.0f} s ago and no step boundary since (a step blocked)"
+        limit = self.limit()
+        if waited > limit:
+            where = f" in {self.phase_name}" if self.phase_name else ""
+            return f"no progress for {waited:.0f} s{where} (limit {limit:.0f} s)"
+        return None
+
+    def _interval(self) -> float:
+        return max(0.05, min(5.0, self.limit() / 20, self.term_grace_s / 4))
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self._wait_for_signal(self._interval())
+            if self._stop.is_set():
+                return
+            reason = self.check(time.monotonic())
+            if reason is not None:
+                self._fire(reason)
+                return
+
+    def _wait_for_signal(self, timeout: float) -> None:
+        if self._wake_r is None:
+            self._stop.wait(timeout)
+            return
+        try:
+            ready, _, _ = select.select([self._wake_r], [], [], timeout)
+            if ready:
+                data = os.read(self._wake_r, 64)
+                if signal.SIGTERM in data and self.term_at is None:
+                    self.term_at = time.monotonic()
+        except (OSError, ValueError):  # closed by stop() meanwhile
+            self._stop.wait(timeout)
+
+    def _fire(self, reason: str) -> None:
+        self.fired = reason
+        stream = self.stream or sys.stderr
+        try:
+            print(f"[nagmoe] rank {self.rank} on {self.host}: hung after step {self.last_step}: {reason}; every "
+                  f"thread's stack follows; exiting with code {EXIT_HUNG} so the job can restart from the last "
+                  "checkpoint", file=stream, flush=True)
+            faulthandler.dump_traceback(file=stream, all_threads=True)
+            stream.flush()
+        except (OSError, ValueError):  # a closed stream must not keep a hung process alive
+            pass
+        self.exit_fn(EXIT_HUNG)
+
+
+class _Off:
+    """The watchdog switched off (train.hang_timeout_s: 0): the same calls, nothing watched."""
+
+    def step_done(self, step: int, seconds: float) -> None:
+        pass
+
+    @contextmanager
+    def phase(self, name: str):
+        yield
+
+    def stop(self) -> None:
+        pass
+
+
+def start_watchdog(rank: int, timeout_s: Optional[float], step: int, environ=None):
+    """The trainer's watchdog for `train.hang_timeout_s` (0: off), its allowances from NAGMOE_HANG_LONG_PHASE_S
+    and NAGMOE_HANG_TERM_GRACE_S (nagmoe.settings), started."""
+    if timeout_s is not None and timeout_s == 0:
+        return _Off()
+    long_phase_s, term_grace_s = hang_allowances(environ)
+    return ProgressWatchdog(rank, timeout_s, long_phase_s, term_grace_s, first_step=step).start()
