@@ -193,6 +193,19 @@ def group_timeout() -> datetime.timedelta:
         return datetime.timedelta(seconds=dist_timeout_s())
 
 
+def rank_hosts() -> list:
+    """Each rank's host name, by rank (one all_gather_object at start; the host alone without a process
+    group): run_info.json says where every rank ran, the first thing to ask of a multi-node failure."""
+    import platform
+
+    host = platform.node()
+    if not (dist.is_available() and dist.is_initialized()):
+        return [host]
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host)
+    return hosts
+
+
 def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -38,6 +38,7 @@ from nagmoe.train.deepspeed_engine import DeepSpeedEngine
 from nagmoe.parallel.expert_parallel import expert_shard_plan, shard_experts
 from nagmoe.parallel.grad_sync import clip_grad_norm_, named_params, sync_expert_grads, wrap_ddp
 from nagmoe.parallel.mesh import ParallelMesh
+from nagmoe.parallel.env import rank_hosts
 from nagmoe.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from nagmoe.checkpoint.lease import RunDirLease, fence_on_all_ranks
 from nagmoe.model.moe import GlobalBalance
@@ -249,9 +250,11 @@ class Trainer:
                                                         self.device.type == "cuda" else "")
             if self.precision.rules:
                 self.backends["precision"] += f", cpu bf16 autocast under CUDA's rules of torch {self.precision.rules}"
+            hosts = rank_hosts()  # every rank (a collective)
             if self.rank == 0:
                 write_run_info(run_dir, self.backends, str(self.device),
                                {"resumed_from": latest, "grad_accum": self.accum, "world_size": world_size,
+                                "hosts": hosts,
                                 "ep": mesh.ep, "dp": mesh.dp, "engine": cfg.parallel.engine,
                                 "autocast": self.precision.describe(),
                                 **({"deepspeed": self.engine.describe()} if self.engine is not None else {})})
