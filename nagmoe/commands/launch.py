@@ -37,6 +37,9 @@ def add_arguments(p):
                    help="on the shared file system (default runs/<config name>; --array: runs/prepare-<name>)")
     s.add_argument("--signal-seconds", type=int, default=120,
                    help="USR1 to the batch shell this long before the time limit: checkpoint and requeue")
+    s.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="a failed training step (a crash, a host lost, a hang) requeues the job from its last "
+                        "checkpoint at most N times, never without a new checkpoint since the last restart")
     s.add_argument("--sbatch-arg", action="append", default=[], metavar="OPTION",
                    help="extra #SBATCH option, verbatim (repeatable), e.g. --sbatch-arg=--exclusive")
     add_accept_config_change(s)  # rendered into the script with the config's sha256 (nagmoe/run_permissions.py)
@@ -61,7 +64,8 @@ def _options(args):
     return SlurmOptions(nodes=1 if args.nodes is None else args.nodes, gpus_per_node=args.gpus_per_node,
                         procs_per_node=args.procs_per_node, cpus_per_task=args.cpus_per_task,
                         partition=args.partition, time=args.time, account=args.account, job_name=args.job_name,
-                        signal_seconds=args.signal_seconds, sbatch_args=list(args.sbatch_arg)).validate()
+                        signal_seconds=args.signal_seconds, max_restarts=args.max_restarts,
+                        sbatch_args=list(args.sbatch_arg)).validate()
 
 
 def _config_stem(path: str) -> str:

@@ -65,6 +65,7 @@ class SlurmOptions:
     account: Optional[str] = None
     job_name: Optional[str] = None
     signal_seconds: int = 120  # USR1 to the batch shell this long before the time limit
+    max_restarts: int = 3  # a failed training step requeues the job at most this often (train.sbatch)
     sbatch_args: list = field(default_factory=list)  # extra `#SBATCH` options, verbatim
 
     @property
@@ -90,6 +91,8 @@ class SlurmOptions:
             raise UserError(f"--cpus-per-task: {self.cpus_per_task} must be >= 1")
         if self.signal_seconds < 1:
             raise UserError(f"--signal-seconds: {self.signal_seconds} must be >= 1")
+        if not 0 <= self.max_restarts <= 1000:
+            raise UserError(f"--max-restarts: {self.max_restarts} must be in [0, 1000]")
         for name in ("partition", "time", "account", "job_name"):
             value = getattr(self, name)
             if value is not None:
@@ -232,7 +235,7 @@ def render_train_script(opts: SlurmOptions, run_dir: str, config_sha256: Optiona
                                      cpus_per_task=opts.cpus_per_task, preemptible=True, extra=whole_node),
         "RUN_DIR": shlex.quote(run_dir), "TORCHRUN": shlex.quote(torchrun_path()),
         "PROCS_PER_NODE": opts.procs_per_node, "THREADS_PER_PROC": threads,
-        "REQUEST_FILE": REQUEST_FILE, "MARKER_FILE": MARKER_FILE,
+        "REQUEST_FILE": REQUEST_FILE, "MARKER_FILE": MARKER_FILE, "MAX_RESTARTS": int(opts.max_restarts),
         "MODE_LINE": mode, "TRAIN_ARGS": script_train_args(config_sha256, accept_config_change),
         "CONFIG_NAME": pinned_name(config_sha256) if config_sha256 else "config.yaml",
     })

@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from nagmoe.errors import UserError
+
 EXIT_NONFINITE = 3  # the run stopped before a non-finite update; weights and checkpoints are intact
 EXIT_GATE_COLLAPSE = 4  # stopped on purpose by the gate-collapse alarm (train.gate_collapse_stop)
 COLLAPSED_GAIN = 0.05  # a NAG sublayer whose mean realised gain is below this counts as shut
@@ -157,3 +159,17 @@ def gate_collapse_message(step: int, gains: list[float], fraction: float, limit:
 def warn(message: str) -> None:
     """Console warnings of the guards are printed even with --quiet (they are never routine)."""
     print(f"[nagmoe] warning: {message}", file=sys.stderr, flush=True)
+
+
+FAIL_AT_STEP_ENV = "NAGMOE_TEST_FAIL_AT_STEP"
+
+
+def fail_at_step_for_a_test(step: int) -> None:
+    """Test hook (tests/slurm/test_multihost.py): with NAGMOE_TEST_FAIL_AT_STEP=N, every rank raises a UserError
+    (exit 2) after step N: a deterministic failure, as a config or data error found mid-run would be. Acts only
+    under NAGMOE_TEST_HOOKS=1 (nagmoe.job_environment.hook_setting)."""
+    from nagmoe.job_environment import hook_setting
+
+    at = hook_setting(FAIL_AT_STEP_ENV)
+    if at and at.isdigit() and step == int(at):
+        raise UserError(f"test hook {FAIL_AT_STEP_ENV}: a deterministic failure after step {step}")

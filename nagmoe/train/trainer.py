@@ -55,7 +55,7 @@ from nagmoe.train.optim import build_optimizers
 from nagmoe.train.host_copy import to_device
 from nagmoe.train.guards import (
     EXIT_GATE_COLLAPSE, EXIT_NONFINITE, TrainingHalted, collapsed_fraction, gate_collapse_message, is_nonfinite,
-    locate_nonfinite, nonfinite_message, realised_gains, warn)
+    fail_at_step_for_a_test, locate_nonfinite, nonfinite_message, realised_gains, warn)
 from nagmoe.train.preemption import PreemptionWatch
 from nagmoe.train.hang_watchdog import start_watchdog
 from nagmoe.train.precision_context import TrainingPrecision, reusable_autocast
@@ -564,6 +564,7 @@ class Trainer:
                 rec = self.train_step()
                 dt = time.perf_counter() - t0
                 watchdog.step_done(self.progress.step, dt)
+                fail_at_step_for_a_test(self.progress.step)
                 self.progress.wall_s = wall0 + time.perf_counter() - started
                 step, last = self.progress.step, self.should_stop()
                 logged = last or step % self.cfg.log.every == 0

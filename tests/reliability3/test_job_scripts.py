@@ -116,6 +116,7 @@ mkdir -p "$STUB_DIR/rec"
 printf '%s\0' "$PWD" "$@" > "$STUB_DIR/rec/$name.$$"
 case "$name ${1:-} ${2:-}" in
   "scontrol show hostnames") echo node1 ;;
+  "getent hosts node1") echo "127.0.0.1 node1" ;;  # the rendezvous host resolves (train.sbatch checks it)
   sbatch*) echo 4242 ;;
 esac
 if [[ $name == srun && -n "${STUB_PREEMPT:-}" ]]; then  # a preemption during the training step
@@ -137,7 +138,7 @@ def stubs(tmp_path, monkeypatch):
     with this `python` as sys.executable (so PYTHON and TORCHRUN in them are stand-ins too)."""
     folder = tmp_path / "stubs"
     folder.mkdir()
-    for name in ("srun", "scontrol", "sbatch", "torchrun", "python"):
+    for name in ("srun", "scontrol", "sbatch", "torchrun", "python", "getent"):
         (folder / name).write_text(STUB)
         (folder / name).chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(folder / "python"))
@@ -466,7 +467,7 @@ def preempted_job(tmp_path, stubs, monkeypatch, env):
     ran = run_script(script, tmp_path, env={"STUB_PREEMPT": "1", "STUB_RUN_DIR": str(run_dir),
                                             "BASH_ENV": str(tmp_path / "clock.sh"),
                                             "SLEEP_LOG": str(tmp_path / "sleeps"), **env})
-    calls = [argv for stub, _, argv in records(stubs) if stub == "scontrol" and argv[:1] != ["show"]]
+    calls = [argv for stub, _, argv in records(stubs) if stub == "scontrol" and argv[:1] not in (["show"], ["listpids"])]
     sleeps = (tmp_path / "sleeps").read_text().split() if (tmp_path / "sleeps").exists() else []
     return ran, run_dir, calls, sum(int(s) for s in sleeps)
 

@@ -60,7 +60,8 @@ def test_dry_run_4_nodes_x_8_gpus_renders_the_torchrun_launch(repo_root, tmp_pat
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     write_stand_in(bin_dir / "scontrol", 'if [ "$1 $2" = "show hostnames" ]; then printf "gpu01\\ngpu02\\ngpu03\\n'
-                                         'gpu04\\n"; else echo "$@" >> "$LOG.scontrol"; fi\n')
+                                         'gpu04\\n"; elif [ "$1" != listpids ]; then echo "$@" >> "$LOG.scontrol"; fi\n')
+    write_stand_in(bin_dir / "getent", 'echo "10.0.0.1 $2"\n')  # the nodes' names resolve (train.sbatch checks)
     write_stand_in(bin_dir / "srun", f'{sys.executable} -c "import json, sys; print(json.dumps(sys.argv[1:]))" '
                                      '"$@" >> "$LOG"\n')
     env = {**RENDER_ENV, "PATH": f"{bin_dir}:{RENDER_ENV['PATH']}", "LOG": str(tmp_path / "srun.log"),
