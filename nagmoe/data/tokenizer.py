@@ -52,15 +52,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = True)
 
 
 def load_tokenizer(path: str):
-    from tokenizers import Tokenizer
-
+    """The tokenizer at `path`, through the one bounded reader (read_tokenizer_bytes + tokenizer_from_bytes)."""
     if not os.path.isfile(path):
         raise UserError(f"tokenizer not found: {shown(path)}")
-    _check_size(os.path.getsize(path), path)
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as e:  # tokenizers raises a bare Exception for malformed JSON
-        raise UserError(f"{shown(path)}: not a valid tokenizer.json ({str(e).splitlines()[0][:160]})") from None
+    return tokenizer_from_bytes(read_tokenizer_bytes(path), path)
 
 
 def _check_size(size: int, path: str) -> None:

@@ -22,40 +22,24 @@ import time
 
 import pytest
 
-from slurm_cluster import LEAKY_ENV, SBIN_DIRS, _alive, find_binary, missing_binaries, wait_until
+from slurm_cluster import COMMON_CONF, LEAKY_ENV, SBIN_DIRS, _alive, find_binary, missing_binaries, wait_until
 
 SLURM_CONF = """\
 ClusterName=nagmoemh
 SlurmctldHost=ctl({ctl_addr})
 SlurmUser=root
 SlurmdUser=root
-AuthType=auth/munge
-AuthInfo=socket={root}/munge/munge.socket.2,cred_expire=5
-CredType=cred/munge
-StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
-SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd-%n.pid
-SlurmctldLogFile={root}/log/slurmctld.log
 SlurmdLogFile={root}/log/slurmd-%n.log
 SlurmctldPort=6817
 SlurmdPort=6818
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-SchedulerType=sched/builtin
-SchedulerParameters=sched_interval=1
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-ReturnToService=2
 SlurmdTimeout={slurmd_timeout}
 MessageTimeout=5
 KillWait=10
+""" + COMMON_CONF + """\
 {nodes}
 PartitionName=debug Nodes={node_list} Default=YES MaxTime=INFINITE State=UP
-SlurmdParameters=config_overrides
 """
 
 

@@ -54,22 +54,16 @@ def wait_until(predicate, timeout, what, interval=0.2):
         time.sleep(interval)
 
 
-SLURM_CONF = """\
-ClusterName=nagmoetest
-SlurmctldHost=localhost
-SlurmUser={user}
-SlurmdUser={user}
+# What every test cluster shares (this single-node one and multihost_cluster.py's): munge authentication with
+# 5 s credentials, the controller's files under the cluster's root, plugins a container can run (no cgroups, no
+# accounting), a node's CPU count taken from the config (four ranks may share two cores).
+COMMON_CONF = """\
 AuthType=auth/munge
 AuthInfo=socket={root}/munge/munge.socket.2,cred_expire=5
 CredType=cred/munge
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
 SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
-SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -82,9 +76,22 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
+SlurmdParameters=config_overrides
+"""
+
+SLURM_CONF = """\
+ClusterName=nagmoetest
+SlurmctldHost=localhost
+SlurmUser={user}
+SlurmdUser={user}
+SlurmdSpoolDir={root}/spool
+SlurmdPidFile={root}/slurmd.pid
+SlurmdLogFile={root}/log/slurmd.log
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+""" + COMMON_CONF + """\
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=4 RealMemory=20000 State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
-SlurmdParameters=config_overrides
 """
 
 
