@@ -1,5 +1,6 @@
 """Settings that describe the machine or cluster rather than the experiment, read from the environment
-(NAGMOE_DIST_TIMEOUT_S, NAGMOE_LEASE_*): a bad value is a UserError naming the variable (exit 2).
+(NAGMOE_DIST_TIMEOUT_S, NAGMOE_DIST_TRAIN_TIMEOUT_S, NAGMOE_LEASE_*, NAGMOE_HANG_*): a bad value is a UserError
+naming the variable (exit 2).
 
 Every number is finite, positive and bounded above well below what Python's timers take (`Event.wait` and
 `timedelta` overflow near 9.2e9 s): a timeout or a stale interval at most 7 days, a refresh at most 1 day, and
@@ -41,6 +42,10 @@ def env_seconds(name: str, default: float, environ: Optional[Mapping[str, str]] 
 LEASE_REFRESH_ENV, LEASE_STALE_ENV = "NAGMOE_LEASE_REFRESH_S", "NAGMOE_LEASE_STALE_S"
 DEFAULT_LEASE_REFRESH_S, DEFAULT_LEASE_STALE_S = 5.0, 600.0
 DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT_S = "NAGMOE_DIST_TIMEOUT_S", 1800.0  # torch's gloo default
+# the collectives' timeout once the first step is done (the first step, saves and evaluations keep the one above);
+# torchtitan uses 100 s after the first step; below the watchdog's 180 s floor, so NCCL's own timeout (and its
+# flight-recorder dump) comes first. Set it equal to NAGMOE_DIST_TIMEOUT_S for one timeout throughout.
+DIST_TRAIN_TIMEOUT_ENV, DEFAULT_DIST_TRAIN_TIMEOUT_S = "NAGMOE_DIST_TRAIN_TIMEOUT_S", 100.0
 
 
 HANG_LONG_PHASE_ENV, HANG_TERM_GRACE_ENV = "NAGMOE_HANG_LONG_PHASE_S", "NAGMOE_HANG_TERM_GRACE_S"
@@ -74,6 +79,12 @@ def dist_timeout_setting(environ: Optional[Mapping[str, str]] = None) -> float:
     return env_seconds(DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT_S, environ)
 
 
+def dist_train_timeout_setting(environ: Optional[Mapping[str, str]] = None) -> float:
+    """NAGMOE_DIST_TRAIN_TIMEOUT_S (the collectives' timeout after the first step;
+    nagmoe.parallel.collective_timeouts)."""
+    return env_seconds(DIST_TRAIN_TIMEOUT_ENV, DEFAULT_DIST_TRAIN_TIMEOUT_S, environ)
+
+
 def check_start_settings(environ: Optional[Mapping[str, str]] = None, announce: bool = False) -> None:
     """Every NAGMOE_* machine setting (and the job variables of nagmoe.job_environment) read, so a bad one is one
     line at start rather than a failure hours in. `announce`: also warn of ignored test hooks (the commands do,
@@ -82,5 +93,6 @@ def check_start_settings(environ: Optional[Mapping[str, str]] = None, announce: 
 
     lease_intervals(environ)
     dist_timeout_setting(environ)
+    dist_train_timeout_setting(environ)
     hang_allowances(environ)
     check_job_environment(environ, announce)

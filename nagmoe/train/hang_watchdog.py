@@ -18,12 +18,17 @@ Firing writes one line naming the rank, host and last completed step, dumps ever
 stderr (the rank's log; `faulthandler`), and ends the process with EXIT_HUNG through `os._exit` (the main
 thread cannot be interrupted), so the launcher sees a failed step and can restart from the last checkpoint.
 The step path costs two attribute writes (`step_done`): no lock, no host sync, nothing collective.
+
+The collectives' own timeout follows the same allowances (nagmoe.parallel.collective_timeouts): long for the
+first step and inside a phase, NAGMOE_DIST_TRAIN_TIMEOUT_S (100 s) after a step; a gloo collective past it raises,
+and `timed_out` makes that the same kind of end: one line naming rank, host and step, the stack, exit EXIT_HUNG.
 """
 from __future__ import annotations
 
 import collections
 import faulthandler
 import os
+import re
 import select
 import signal
 import socket
@@ -31,11 +36,15 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from typing import Callable, Optional
 
+from nagmoe.errors import shown
+from nagmoe.parallel.collective_timeouts import NoCollectives, collective_timeouts, is_collective_timeout
 from nagmoe.settings import DEFAULT_HANG_LONG_PHASE_S as LONG_PHASE_S, DEFAULT_HANG_TERM_GRACE_S as TERM_GRACE_S
 from nagmoe.settings import hang_allowances
+from nagmoe.train.guards import TrainingHalted
 
 EXIT_HUNG = 76  # EX_PROTOCOL (sysexits.h): a peer or the file system stopped answering; a restart may cure it
 HANG_MULTIPLE, HANG_FLOOR_S = 20.0, 180.0  # the derived limit: max(20 x median step, 180 s)
@@ -48,8 +57,9 @@ class ProgressWatchdog:
 
     def __init__(self, rank: int, timeout_s: Optional[float] = None, long_phase_s: float = LONG_PHASE_S,
                  term_grace_s: float = TERM_GRACE_S, first_step: int = 0,
-                 exit_fn: Callable[[int], None] = os._exit, stream=None):
+                 exit_fn: Callable[[int], None] = os._exit, stream=None, collectives=None):
         self.rank, self.host = rank, socket.gethostname()
+        self.collectives = collectives if collectives is not None else NoCollectives()  # the same allowances
         self.fixed_limit = timeout_s if timeout_s and timeout_s > 0 else None
         self.long_phase_s, self.term_grace_s = long_phase_s, term_grace_s
         self.exit_fn, self.stream = exit_fn, stream
@@ -79,17 +89,26 @@ class ProgressWatchdog:
         """A step completed (two attribute writes and a deque append: GIL-atomic, no lock)."""
         self._step_times.append(seconds)
         self.last_step, self.phase_name, self.last_progress = step, None, time.monotonic()
+        self.collectives.after_step(self._step_times)
 
     @contextmanager
     def phase(self, name: str):
-        """A phase allowed `long_phase_s` (progress when it starts and when it ends)."""
+        """A phase allowed `long_phase_s` (progress when it starts and when it ends); the collectives get
+        their long timeout meanwhile."""
         self.phase_name, self.last_progress = name, time.monotonic()
         try:
-            yield
+            with self.collectives.long_phase():
+                yield
         finally:
             self.phase_name, self.last_progress = None, time.monotonic()
 
+    def timed_out(self, exc: BaseException) -> Optional[TrainingHalted]:
+        """A collective past its timeout (gloo raises): the one line, the stack where it waited, and the
+        exit code of a hang, as a `TrainingHalted` to raise; None for any other error."""
+        return collective_timeout_halt(exc, self.rank, self.host, self.last_step, self.stream)
+
     def stop(self) -> None:
+        self.collectives.restore()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -160,24 +179,59 @@ class ProgressWatchdog:
         self.exit_fn(EXIT_HUNG)
 
 
+def collective_timeout_halt(exc: BaseException, rank: int, host: str, step: int,
+                            stream=None) -> Optional[TrainingHalted]:
+    """See `ProgressWatchdog.timed_out`."""
+    if not is_collective_timeout(exc):
+        return None
+    stream = stream or sys.stderr
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[path/to/source.cc:129] " prefix
+    message = (f"rank {rank} on {host}: a collective timed out after step {step} ({shown(first, 160)}): a peer "
+               f"is gone, partitioned or stuck; exiting with code {EXIT_HUNG} so the job can restart from the last "
+               "checkpoint")
+    try:
+        print(f"[nagmoe] {message}; the stack where it waited follows", file=stream, flush=True)
+        frames = traceback.extract_tb(exc.__traceback__)[-12:]  # the innermost: where the collective was called
+        stream.write("".join(traceback.format_list(frames)))
+        stream.flush()
+    except (OSError, ValueError):
+        pass
+    return TrainingHalted(message, EXIT_HUNG)
+
+
 class _Off:
-    """The watchdog switched off (train.hang_timeout_s: 0): the same calls, nothing watched."""
+    """The watchdog switched off (train.hang_timeout_s: 0): the same calls, nothing watched; the collectives'
+    timeouts still apply (they are a machine setting, NAGMOE_DIST_TRAIN_TIMEOUT_S)."""
+
+    def __init__(self, rank: int, step: int, collectives):
+        self.rank, self.host, self.last_step, self.collectives = rank, socket.gethostname(), step, collectives
+        self._step_times: collections.deque = collections.deque(maxlen=RECENT_STEPS)
 
     def step_done(self, step: int, seconds: float) -> None:
-        pass
+        self._step_times.append(seconds)
+        self.last_step = step
+        self.collectives.after_step(self._step_times)
 
     @contextmanager
     def phase(self, name: str):
-        yield
+        with self.collectives.long_phase():
+            yield
+
+    def timed_out(self, exc: BaseException) -> Optional[TrainingHalted]:
+        return collective_timeout_halt(exc, self.rank, self.host, self.last_step)
 
     def stop(self) -> None:
-        pass
+        self.collectives.restore()
 
 
 def start_watchdog(rank: int, timeout_s: Optional[float], step: int, environ=None):
     """The trainer's watchdog for `train.hang_timeout_s` (0: off), its allowances from NAGMOE_HANG_LONG_PHASE_S
-    and NAGMOE_HANG_TERM_GRACE_S (nagmoe.settings), started."""
+    and NAGMOE_HANG_TERM_GRACE_S (nagmoe.settings), started, with the collectives' timeouts
+    (nagmoe.parallel.collective_timeouts) following the same first step and long phases."""
+    collectives = collective_timeouts(environ)
     if timeout_s is not None and timeout_s == 0:
-        return _Off()
+        return _Off(rank, step, collectives)
     long_phase_s, term_grace_s = hang_allowances(environ)
-    return ProgressWatchdog(rank, timeout_s, long_phase_s, term_grace_s, first_step=step).start()
+    return ProgressWatchdog(rank, timeout_s, long_phase_s, term_grace_s, first_step=step,
+                            collectives=collectives).start()

@@ -593,6 +593,11 @@ class Trainer:
                                          "written)", EXIT_GATE_COLLAPSE)
             if val_bpb is None:  # nothing left to train (e.g. resumed at the stop): evaluate for the summary
                 val_bpb = self.evaluate()
+        except RuntimeError as exc:  # a gloo collective past its timeout: one line and the exit code of a hang
+            halt = watchdog.timed_out(exc)
+            if halt is None:
+                raise
+            raise halt from exc
         finally:
             watchdog.stop()
             preemption.uninstall()

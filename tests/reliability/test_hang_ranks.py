@@ -68,3 +68,26 @@ def test_a_sigterm_to_a_hung_rank_ends_it_within_the_grace(dist_reference, tmp_p
     log = read_log(tmp_path / "rank0.log")
     assert code == EXIT_HUNG and "SIGTERM" in log and "no step boundary since" in log, log[-3000:]
     assert 3 <= waited < 20, waited  # within Slurm's default KillWait (30 s)
+
+
+@pytest.mark.distributed
+def test_with_the_watchdog_off_a_silent_peer_ends_the_rank_at_the_collectives_training_timeout(dist_reference,
+                                                                                                 tmp_path):
+    """The collectives' own timeout after the first step (NAGMOE_DIST_TRAIN_TIMEOUT_S; the process group keeps
+    NAGMOE_DIST_TIMEOUT_S, 30 min, for the rendezvous and the first step): a gloo collective past it raises, and
+    the trainer makes that one line naming rank, host and step, the stack, and the exit code of a hang."""
+    run_dir = str(tmp_path / "run")
+    procs = start_ranks(2, dist_reference.config, run_dir, str(tmp_path), "train.hang_timeout_s=0",
+                        env_extra={"NAGMOE_DIST_TRAIN_TIMEOUT_S": "3"})
+    try:
+        stopped_at, step = _stop_rank_1_after_step(procs, run_dir, 12)
+        code = procs[0].wait(timeout=120)
+        waited = time.monotonic() - stopped_at
+    finally:
+        stop_all(procs)
+    log = read_log(tmp_path / "rank0.log")
+    assert code == EXIT_HUNG, log[-3000:]
+    lines = [line for line in log.splitlines() if line.startswith("[nagmoe] rank 0 on ")]
+    assert len(lines) == 1 and "a collective timed out after step" in lines[0], lines
+    assert "Traceback" not in log and "File " in log  # the stack where it waited, not an error's traceback
+    assert 3 <= waited < 3 + 40, waited  # the training timeout, plus a step in flight and the exit

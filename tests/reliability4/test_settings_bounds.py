@@ -14,7 +14,7 @@ from nagmoe.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
-SETTINGS = ("NAGMOE_LEASE_REFRESH_S", "NAGMOE_LEASE_STALE_S", "NAGMOE_DIST_TIMEOUT_S")
+SETTINGS = ("NAGMOE_LEASE_REFRESH_S", "NAGMOE_LEASE_STALE_S", "NAGMOE_DIST_TIMEOUT_S", "NAGMOE_DIST_TRAIN_TIMEOUT_S")
 
 BAD = [  # (environment, the variable the line must name)
     ({"NAGMOE_LEASE_REFRESH_S": "1e10"}, "NAGMOE_LEASE_REFRESH_S"),      # OverflowError in the lease thread
@@ -25,6 +25,7 @@ BAD = [  # (environment, the variable the line must name)
     ({"NAGMOE_LEASE_STALE_S": "1e9"}, "NAGMOE_LEASE_STALE_S"),           # more than a week
     ({"NAGMOE_DIST_TIMEOUT_S": "1e300"}, "NAGMOE_DIST_TIMEOUT_S"),       # timedelta overflow
     ({"NAGMOE_DIST_TIMEOUT_S": "nan"}, "NAGMOE_DIST_TIMEOUT_S"),
+    ({"NAGMOE_DIST_TRAIN_TIMEOUT_S": "1e300"}, "NAGMOE_DIST_TRAIN_TIMEOUT_S"),  # read at the first step: at start
     ({"NAGMOE_LEASE_STALE_S": "inf"}, "NAGMOE_LEASE_STALE_S"),
     ({"NAGMOE_LEASE_REFRESH_S": "9" * 5000}, "NAGMOE_LEASE_REFRESH_S"),  # a 5,000-digit number: bounded message
 ]

@@ -34,6 +34,24 @@ def write_stand_in(path, body):
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
+def run_with_stand_ins(path, tmp_path, **env_extra):
+    """Run a rendered train.sbatch with stand-ins for the cluster's commands (4 nodes gpu01-04 that resolve);
+    srun records its argv, after the shell expanded everything, and the flight recorder's variables it was given
+    in $LOG (one JSON line per call)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    write_stand_in(bin_dir / "scontrol", 'if [ "$1 $2" = "show hostnames" ]; then printf "gpu01\\ngpu02\\ngpu03\\n'
+                                         'gpu04\\n"; elif [ "$1" != listpids ]; then echo "$@" >> "$LOG.scontrol"; fi\n')
+    write_stand_in(bin_dir / "getent", 'echo "10.0.0.1 $2"\n')  # the nodes' names resolve (train.sbatch checks)
+    write_stand_in(bin_dir / "srun", f'{sys.executable} -c "import json, os, sys; print(json.dumps([sys.argv[1:], '
+                                     '{k: v for k, v in os.environ.items() if k.startswith(\'TORCH_\')}]))" '
+                                     '"$@" >> "$LOG"\n')
+    env = {**RENDER_ENV, "PATH": f"{bin_dir}:{RENDER_ENV['PATH']}", "LOG": str(tmp_path / "srun.log"),
+           "SLURM_JOB_ID": "1234", "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "gpu[01-04]", **env_extra}
+    env.pop("MASTER_PORT", None)
+    return subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, timeout=60)
+
+
 def test_dry_run_4_nodes_x_8_gpus_renders_the_torchrun_launch(repo_root, tmp_path):
     run_dir = tmp_path / "run"
     out = nagmoe("launch", "slurm", "--config", os.path.join(repo_root, "configs/tiny.yaml"), "--nodes", 4,
@@ -57,19 +75,9 @@ def test_dry_run_4_nodes_x_8_gpus_renders_the_torchrun_launch(repo_root, tmp_pat
 
     # Execute the script with stand-ins for the cluster commands (no 4-node cluster here; the local-Slurm tests
     # run the real thing on one node): record srun's argv after the shell has expanded everything.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    write_stand_in(bin_dir / "scontrol", 'if [ "$1 $2" = "show hostnames" ]; then printf "gpu01\\ngpu02\\ngpu03\\n'
-                                         'gpu04\\n"; elif [ "$1" != listpids ]; then echo "$@" >> "$LOG.scontrol"; fi\n')
-    write_stand_in(bin_dir / "getent", 'echo "10.0.0.1 $2"\n')  # the nodes' names resolve (train.sbatch checks)
-    write_stand_in(bin_dir / "srun", f'{sys.executable} -c "import json, sys; print(json.dumps(sys.argv[1:]))" '
-                                     '"$@" >> "$LOG"\n')
-    env = {**RENDER_ENV, "PATH": f"{bin_dir}:{RENDER_ENV['PATH']}", "LOG": str(tmp_path / "srun.log"),
-           "SLURM_JOB_ID": "1234", "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "gpu[01-04]"}
-    env.pop("MASTER_PORT", None)
-    ran = subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, timeout=60)
+    ran = run_with_stand_ins(path, tmp_path)
     assert ran.returncode == 0, ran.stderr
-    argv = json.loads((tmp_path / "srun.log").read_text())
+    argv = json.loads((tmp_path / "srun.log").read_text())[0]
     launcher = argv.index(next(a for a in argv if a.endswith("torchrun")))
     assert argv[:launcher] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     # the pinned config, named by its content, and its sha256 checked by `nagmoe train` (issue 41)
@@ -79,6 +87,38 @@ def test_dry_run_4_nodes_x_8_gpus_renders_the_torchrun_launch(repo_root, tmp_pat
         "--rdzv_id", "1234", "-m", "nagmoe", "train", "--config", str(run_dir / "slurm" / f"config-{sha[:12]}.yaml"),
         "--run-dir", str(run_dir), "--quiet", "--config-sha256", sha]
     assert not (tmp_path / "srun.log.scontrol").exists()  # no marker: no requeue
+
+
+def test_a_gpu_job_turns_on_the_flight_recorder_into_the_run_dir_and_a_cpu_job_leaves_the_run_dir_alone(
+        repo_root, tmp_path):
+    """On NCCL a timed-out collective dumps each rank's last collectives (issue 51 item 4): the job exports
+    torch's flight-recorder settings (both names of each) with the dump going to RUN_DIR/slurm/flight_recorder/,
+    for GPU jobs (Slurm sets SLURM_GPUS_PER_NODE) only; a value the user set wins."""
+    run_dir = tmp_path / "run"
+    out = nagmoe("launch", "slurm", "--config", os.path.join(repo_root, "configs/tiny.yaml"), "--nodes", 4,
+                 "--run-dir", run_dir, "--dry-run")
+    assert out.returncode == 0, out.stderr
+    path = tmp_path / "train.sbatch"
+    path.write_text(out.stdout)
+    (run_dir / "slurm").mkdir(parents=True)  # sbatch's log folder, made at submission
+
+    ran = run_with_stand_ins(path, tmp_path, SLURM_GPUS_PER_NODE="8", TORCH_NCCL_DUMP_ON_TIMEOUT="0")
+    assert ran.returncode == 0, ran.stderr
+    _, torch_env = json.loads((tmp_path / "srun.log").read_text().splitlines()[-1])
+    dump = str(run_dir / "slurm" / "flight_recorder" / "rank_")
+    assert {k: torch_env.get(k) for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+                                          "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+                                          "TORCH_NCCL_DUMP_ON_TIMEOUT")} == {
+        "TORCH_FR_BUFFER_SIZE": "20000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_FR_DUMP_TEMP_FILE": dump,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump, "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}  # the user's 0 kept
+    assert (run_dir / "slurm" / "flight_recorder").is_dir()  # torch writes there, it does not make the folder
+
+    (run_dir / "slurm" / "flight_recorder").rmdir()
+    ran = run_with_stand_ins(path, tmp_path)  # no GPUs in the allocation (CPU mode): nothing of it
+    assert ran.returncode == 0, ran.stderr
+    _, torch_env = json.loads((tmp_path / "srun.log").read_text().splitlines()[-1])
+    assert not any(k.startswith(("TORCH_FR_", "TORCH_NCCL_TRACE", "TORCH_NCCL_DEBUG_INFO")) for k in torch_env)
+    assert sorted(p.name for p in (run_dir / "slurm").iterdir()) == []
 
 
 def test_cpu_mode_same_template_and_files_written(repo_root, tmp_path):
