@@ -45,6 +45,8 @@ def eight_ranks(overrides, tmp):
 
 
 @requires_deepspeed
+@pytest.mark.scale  # 8 DeepSpeed ranks, 90 s: CI keeps DeepSpeed EP=2 (test_deepspeed_engine) and the native
+# EP=4 x DP=2 / EP=8 layouts (tests/parallel/test_cluster_shape.py); issue 50 item 4, docs/decisions.md
 def test_deepspeed_ep4_dp2_grad_norm_and_bias_equal_one_process(micro_overrides, ds_env, tmp_path):
     overrides = [*micro_overrides, *BASE]
     want = train(overrides, str(tmp_path / "single"))

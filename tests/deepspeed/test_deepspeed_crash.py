@@ -83,15 +83,23 @@ def kill_and_resume(point, args, ds_env, run_dir, tmp_path, want):
     assert losses(run_dir) == want  # each step once, bitwise the uninterrupted run's
 
 
+def in_ci(points, kept):
+    """The kill points CI runs; the others are `make test-scale` (CI time, issue 50 item 4). Publishing and
+    pruning are the engine-independent code every point of tests/reliability/test_kill_during_checkpoint.py
+    kills in CI; what is DeepSpeed's own is its files half written (tensors_written) and a resave replacing a
+    published checkpoint (mid_replace)."""
+    return [p if p in kept else pytest.param(p, marks=pytest.mark.scale) for p in points]
+
+
 @requires_deepspeed
-@pytest.mark.parametrize("point", FIRST_SAVE_POINTS)
+@pytest.mark.parametrize("point", in_ci(FIRST_SAVE_POINTS, ("tensors_written",)))
 def test_kill_at_every_point_of_a_first_deepspeed_save(point, train_args, reference, ds_env, tmp_path):
     run_dir = str(tmp_path / "run")
     kill_and_resume(point, train_args(run_dir, "train.keep_checkpoints=1"), ds_env, run_dir, tmp_path, reference[0])
 
 
 @requires_deepspeed
-@pytest.mark.parametrize("point", RESAVE_POINTS)
+@pytest.mark.parametrize("point", in_ci(RESAVE_POINTS, ("tensors_written", "mid_replace")))
 def test_kill_at_every_point_of_a_deepspeed_resave(point, train_args, reference, ds_env, tmp_path):
     run_dir = str(tmp_path / "run")
     shutil.copytree(reference[1], run_dir)

@@ -148,7 +148,9 @@ def check_rehearsal(out, n_layers):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["nag-mod20-r40", "baseline-r40"])
+# CI runs the NAG+MoD model (the one with every code path: NAG, MoD calibration and skipping, EP); the pre-norm
+# baseline at the same width is `make test-scale` (CI time, issue 50 item 4; docs/decisions.md)
+@pytest.mark.parametrize("name", ["nag-mod20-r40", pytest.param("baseline-r40", marks=pytest.mark.scale)])
 def test_r40_at_real_width_on_two_ranks_trains_resumes_evaluates_and_consolidates(name, paper_vocab_data, tmp_path):
     out = rehearse(name, paper_vocab_data, tmp_path, n_layers=2, timeout=420)
     check_rehearsal(out, n_layers=2)

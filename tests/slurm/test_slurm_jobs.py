@@ -48,6 +48,7 @@ def test_submit_cpu_mode_two_ranks_trains_to_summary(slurm_cluster, micro_yaml, 
     assert "1 node(s) x 2 rank(s)" in open(log).read()
 
 
+@pytest.mark.scale  # CI runs the same path on two hosts (test_multihost.py's preemption test); issue 50 item 4
 def test_usr1_to_the_batch_shell_checkpoints_requeues_and_resumes(slurm_cluster, micro_yaml, tmp_path):
     steps = 400  # long enough that the signal lands mid-run
     run = str(tmp_path / "run")
