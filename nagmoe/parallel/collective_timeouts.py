@@ -68,9 +68,8 @@ class CollectiveTimeouts:
     def after_step(self, step_times) -> None:
         times = list(step_times)
         derived = STEP_MULTIPLE * statistics.median(times) if times else 0.0
-        target = float(min(self.init_s, max(self.floor_s, math.ceil(derived))))
-        if self.training_s is None or target > self.training_s:  # only ever raised within a process
-            self.training_s = target
+        # the median of the recent steps: a first step that compiled counts for two steps, not for the run
+        self.training_s = float(min(self.init_s, max(self.floor_s, math.ceil(derived))))
         if not self.in_phase:
             self._apply(self.training_s)
 

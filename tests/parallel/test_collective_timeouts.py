@@ -35,12 +35,16 @@ def test_the_training_timeout_starts_after_the_first_step_and_long_phases_get_th
 def test_slow_steps_raise_the_training_timeout_never_above_the_long_one():
     calls, set_fn = _recorder()
     t = CollectiveTimeouts(init_s=1800.0, train_s=100.0, set_fn=set_fn)
-    t.after_step([30.0])  # a 30 s CPU step: a peer may lag a good part of one
+    t.after_step([30.0, 30.0, 30.0])  # 30 s CPU steps: a peer may lag a good part of one
     assert calls == [STEP_MULTIPLE * 30.0]
-    t.after_step([30.0, 1.0, 1.0])  # faster steps later: not lowered within a process (a lagging peer stays safe)
+    t.after_step([30.0, 30.0, 30.0, 500.0])  # one slow step does not move the median
     assert calls == [STEP_MULTIPLE * 30.0]
     t.after_step([500.0])
     assert calls[-1] == 1800.0
+    first = CollectiveTimeouts(init_s=1800.0, train_s=100.0, set_fn=set_fn)
+    first.after_step([90.0])  # the first step compiled: long while it is most of what was measured
+    first.after_step([90.0, 0.5, 0.5])  # then the steps themselves decide
+    assert first.current_s == 100.0
     short = CollectiveTimeouts(init_s=60.0, train_s=100.0, set_fn=_recorder()[1])  # NAGMOE_DIST_TIMEOUT_S lower
     short.after_step([0.1])
     assert short.current_s == 60.0
