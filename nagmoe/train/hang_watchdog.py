@@ -22,7 +22,7 @@ sync, nothing collective.
 
 The collectives' own timeout follows the same allowances (nagmoe.parallel.collective_timeouts): long for the
 first step and inside a phase, NAGMOE_DIST_TRAIN_TIMEOUT_S (100 s) after a step; a gloo collective past it raises,
-and `timed_out` makes that the same kind of end: one line naming rank, host and step, the stack, exit EXIT_HUNG.
+and `timed_out` makes that one line naming rank, host and step, then the stack (exit status 1, as before).
 """
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ from nagmoe.settings import hang_allowances
 from nagmoe.train.guards import TrainingHalted
 
 EXIT_HUNG = 76  # EX_PROTOCOL (sysexits.h): a peer or the file system stopped answering; a restart may cure it
+# a collective past its timeout keeps the status it always had (torch's error: 1; tests/reliability/
+# test_distributed_kill.py): the batch script restarts on a new checkpoint, whatever the status
+EXIT_COLLECTIVE_TIMEOUT = 1
 HANG_MULTIPLE, HANG_FLOOR_S = 20.0, 180.0  # the derived limit: max(20 x median step, 180 s)
 RECENT_STEPS = 50
 
@@ -105,8 +108,8 @@ class ProgressWatchdog:
             self.phase_name, self.last_progress = None, time.monotonic()
 
     def timed_out(self, exc: BaseException) -> Optional[TrainingHalted]:
-        """A collective past its timeout (gloo raises): the one line, the stack where it waited, and the
-        exit code of a hang, as a `TrainingHalted` to raise; None for any other error."""
+        """A collective past its timeout (gloo raises): the one line, the stack where it waited, and exit
+        status 1, as a `TrainingHalted` to raise; None for any other error."""
         return collective_timeout_halt(exc, self.rank, self.host, self.last_step, self.stream)
 
     def stop(self) -> None:
@@ -190,8 +193,8 @@ def collective_timeout_halt(exc: BaseException, rank: int, host: str, step: int,
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[path/to/source.cc:129] " prefix
     message = (f"rank {rank} on {host}: a collective timed out after step {step} ({shown(first, 160)}): a peer "
-               f"is gone, partitioned or stuck; exiting with code {EXIT_HUNG} so the job can restart from the last "
-               "checkpoint")
+               f"is gone, partitioned or stuck; exiting with status {EXIT_COLLECTIVE_TIMEOUT} so the job can restart "
+               "from the last checkpoint")
     try:
         print(f"[nagmoe] {message}; the stack where it waited follows", file=stream, flush=True)
         frames = traceback.extract_tb(exc.__traceback__)[-12:]  # the innermost: where the collective was called
@@ -199,7 +202,7 @@ def collective_timeout_halt(exc: BaseException, rank: int, host: str, step: int,
         stream.flush()
     except (OSError, ValueError):
         pass
-    return TrainingHalted(message, EXIT_HUNG)
+    return TrainingHalted(message, EXIT_COLLECTIVE_TIMEOUT)
 
 
 class _Off:

@@ -593,7 +593,7 @@ class Trainer:
                                          "written)", EXIT_GATE_COLLAPSE)
             if val_bpb is None:  # nothing left to train (e.g. resumed at the stop): evaluate for the summary
                 val_bpb = self.evaluate()
-        except RuntimeError as exc:  # a gloo collective past its timeout: one line and the exit code of a hang
+        except RuntimeError as exc:  # a gloo collective past its timeout: one line naming rank, host, step
             halt = watchdog.timed_out(exc)
             if halt is None:
                 raise
