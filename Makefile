@@ -22,9 +22,8 @@ $(STAMP): setup.py
 # compiled graph late in the run crashed pytest on memory corrupted earlier in the same process (docs/decisions.md,
 # issue 50's CI failure); a crash now ends one part, and the others still report. Exit 5 = nothing collected.
 # Two lanes: the parts in TEST_LANE2 (real Slurm clusters, killed and signalled trainers, DeepSpeed's and the
-# trainer's subprocesses:
-# mostly waiting on jobs, polls, grace periods and process start-up) run one after another beside the others;
-# their output follows (issue 50 item 4: CI's wall time; docs/benchmarks.md).
+# trainer's subprocesses: mostly waiting on jobs, polls, grace periods and process start-up) run one after another
+# beside the others; their output follows (issue 50 item 4: CI's wall time; docs/benchmarks.md).
 TEST_PARTS := $(sort $(dir $(wildcard tests/*/test_*.py))) "$(wildcard tests/test_*.py)"
 TEST_LANE2 := tests/slurm/ tests/reliability/ tests/deepspeed/ tests/train/
 TEST_LANE1 := $(filter-out $(TEST_LANE2),$(TEST_PARTS))

@@ -1,14 +1,16 @@
 """The collectives' timeout: long for the rendezvous, the first step and long phases, short while training
 (issue 51 item 4; torchtitan's `comm.init_timeout_seconds` / `train_timeout_seconds`).
 
-    init timeout   = the default group's (NAGMOE_DIST_TIMEOUT_S, 1800 s): rendezvous, the first step (compilation, the first batches),
-                     checkpoint saves, evaluations, and everything after the training loop (consolidation, export)
+    init timeout   = the default group's (NAGMOE_DIST_TIMEOUT_S, 1800 s): rendezvous, the first step (compilation,
+                     the first batches), checkpoint saves, evaluations, and everything after the training loop
+                     (consolidation, export)
     train timeout  = min(init, max(NAGMOE_DIST_TRAIN_TIMEOUT_S (100 s), STEP_MULTIPLE x median step time))
 
 A collective waits for its slowest peer; in a healthy step that wait is a fraction of a step, so a timeout of
 many steps only ends a peer that is gone or partitioned. On NCCL the timeout makes torch's own watchdog abort
 the communicators and dump the flight recorder (launch/train.sbatch turns it on) before nagmoe's progress
-watchdog (180 s floor) fires; on gloo the blocked call raises, and `timed_out_collective` turns that into one line.
+watchdog (180 s floor) fires; on gloo the blocked call raises, and the trainer turns that into one line
+(nagmoe.train.hang_watchdog.collective_timeout_halt).
 The timeouts are set through torch's `_set_pg_timeout` on every process group this rank belongs to (the default
 group, the EP/DP groups, DeepSpeed's), from the main thread, only when the value changes."""
 from __future__ import annotations
