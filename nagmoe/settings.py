@@ -85,6 +85,34 @@ def dist_train_timeout_setting(environ: Optional[Mapping[str, str]] = None) -> f
     return env_seconds(DIST_TRAIN_TIMEOUT_ENV, DEFAULT_DIST_TRAIN_TIMEOUT_S, environ)
 
 
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+CPU_ISA_ENVS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")  # torch's kernel choice
+
+
+def inductor_cache_per_cpu_isa(environ=None) -> Optional[str]:
+    """A compiled CPU kernel from torch's inductor cache is not keyed on ATEN_CPU_CAPABILITY (torch 2.13): one
+    compiled under the machine's own capability and loaded by a process capped at `avx2` gave NaN (the fused NAG
+    update under bf16; docs/decisions.md). When any of CPU_ISA_ENVS is set and TORCHINDUCTOR_CACHE_DIR is not,
+    point the cache at a directory of its own for those values (inherited by child processes); returns it, or
+    None when nothing changed. Uncapped processes keep torch's default directory."""
+    import getpass
+    import re
+    import tempfile
+
+    env = os.environ if environ is None else environ
+    values = [env.get(name, "") for name in CPU_ISA_ENVS]
+    if env.get(INDUCTOR_CACHE_ENV) or not any(values):
+        return None
+    tag = "-".join(re.sub(r"[^A-Za-z0-9_.]", "_", v[:32]) or "unset" for v in values)
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    path = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_isa-{tag}")
+    env[INDUCTOR_CACHE_ENV] = path
+    return path
+
+
 def check_start_settings(environ: Optional[Mapping[str, str]] = None, announce: bool = False) -> None:
     """Every NAGMOE_* machine setting (and the job variables of nagmoe.job_environment) read, so a bad one is one
     line at start rather than a failure hours in. `announce`: also warn of ignored test hooks (the commands do,

@@ -3,6 +3,12 @@ import os
 import pytest
 import torch
 
+from nagmoe.settings import inductor_cache_per_cpu_isa
+
+# A run capped at another CPU capability (issue 50: ATEN_CPU_CAPABILITY=avx2/default) must not load kernels the
+# inductor cache holds from uncapped runs: they gave NaN (docs/decisions.md). Before anything compiles.
+inductor_cache_per_cpu_isa()
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

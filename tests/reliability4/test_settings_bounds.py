@@ -82,3 +82,27 @@ def test_the_lease_refuses_the_intervals_before_it_starts_a_thread(clean_env, tm
     with pytest.raises(UserError, match="NAGMOE_LEASE_REFRESH_S"):
         RunDirLease(str(tmp_path / "run")).acquire()
     assert not (tmp_path / "run").exists()
+
+
+def test_a_capped_cpu_capability_compiles_into_an_inductor_cache_of_its_own(tmp_path, monkeypatch):
+    """torch's inductor cache is not keyed on ATEN_CPU_CAPABILITY: kernels compiled by an uncapped process and
+    loaded by one capped at avx2 gave NaN in the fused NAG update (tests/gpu's CPU stand-in, under `make test`
+    with ATEN_CPU_CAPABILITY=avx2 after a native run; a fresh cache passed). Each capped setting gets a directory
+    of its own; uncapped processes and a cache the user chose are left alone."""
+    from nagmoe.settings import inductor_cache_per_cpu_isa
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    assert inductor_cache_per_cpu_isa({}) is None  # uncapped: torch's default directory
+    assert inductor_cache_per_cpu_isa({"TORCHINDUCTOR_CACHE_DIR": "/mine", "ATEN_CPU_CAPABILITY": "avx2"}) is None
+    dirs = {}
+    for caps in ({"ATEN_CPU_CAPABILITY": "avx2"}, {"ATEN_CPU_CAPABILITY": "default"},
+                 {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}, {"MKL_ENABLE_INSTRUCTIONS": "../x"}):
+        env = dict(caps)
+        path = inductor_cache_per_cpu_isa(env)
+        assert env["TORCHINDUCTOR_CACHE_DIR"] == path and os.path.dirname(path) == str(tmp_path), path
+        dirs[path] = caps
+    assert len(dirs) == 4  # one directory per setting, none of them torch's default (torchinductor_<user>)
+    assert all("_isa-" in os.path.basename(p) and "/" not in os.path.basename(p) for p in dirs)
