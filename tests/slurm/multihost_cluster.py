@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-from slurm_cluster import COMMON_CONF, LEAKY_ENV, SBIN_DIRS, _alive, find_binary, missing_binaries, wait_until
+from slurm_cluster import (COMMON_CONF, LEAKY_ENV, SBIN_DIRS, _alive, find_binary, first_job_id, missing_binaries,
+                           wait_until)
 
 SLURM_CONF = """\
 ClusterName=nagmoemh
@@ -99,7 +100,7 @@ class MultiHostSlurm:
                           for h in self.hosts)
         with open(self.conf, "w") as f:
             f.write(SLURM_CONF.format(root=r, ctl_addr=self.addr["ctl"], slurmd_timeout=self.slurmd_timeout,
-                                      nodes=nodes, node_list=",".join(self.hosts)))
+                                      nodes=nodes, node_list=",".join(self.hosts), first_job_id=first_job_id()))
         self.on("ctl", find_binary("slurmctld"))
         for h in self.hosts:
             self.start_slurmd(h)

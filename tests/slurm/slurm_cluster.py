@@ -77,7 +77,17 @@ SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
 SlurmdParameters=config_overrides
+# job ids of this cluster's own range: the batch script's rendezvous port is 20000 + job id % 20000, and two test
+# clusters running at once (make test's two lanes) would otherwise both give job 2 the port 20002 on 127.0.0.1
+FirstJobId={first_job_id}
 """
+
+
+def first_job_id() -> int:
+    """A random start for a test cluster's job ids (COMMON_CONF): 1000-18999, in steps of 100."""
+    import random
+
+    return random.randrange(10, 190) * 100
 
 SLURM_CONF = """\
 ClusterName=nagmoetest
@@ -124,7 +134,7 @@ class LocalSlurm:
                  f"--log-file={r}/log/munged.log", f"--pid-file={r}/munged.pid", f"--seed-file={r}/munge/seed")
         with open(self.conf, "w") as f:
             f.write(SLURM_CONF.format(root=r, user=getpass.getuser(), ctld_port=free_port(),
-                                      slurmd_port=free_port()))
+                                      slurmd_port=free_port(), first_job_id=first_job_id()))
         self.run(find_binary("slurmctld"))
         self.run(find_binary("slurmd"), "-N", "localhost")  # the host name does not match NodeName
         wait_until(lambda: self.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip() == "idle", 60,
