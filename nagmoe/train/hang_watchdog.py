@@ -205,38 +205,12 @@ def collective_timeout_halt(exc: BaseException, rank: int, host: str, step: int,
     return TrainingHalted(message, EXIT_COLLECTIVE_TIMEOUT)
 
 
-class _Off:
-    """The watchdog switched off (train.hang_timeout_s: 0): the same calls, nothing watched; the collectives'
-    timeouts still apply (they are a machine setting, NAGMOE_DIST_TRAIN_TIMEOUT_S)."""
-
-    def __init__(self, rank: int, step: int, collectives):
-        self.rank, self.host, self.last_step, self.collectives = rank, socket.gethostname(), step, collectives
-        self._step_times: collections.deque = collections.deque(maxlen=RECENT_STEPS)
-
-    def step_done(self, step: int, seconds: float) -> None:
-        self._step_times.append(seconds)
-        self.last_step = step
-        self.collectives.after_step(self._step_times)
-
-    @contextmanager
-    def phase(self, name: str):
-        with self.collectives.long_phase():
-            yield
-
-    def timed_out(self, exc: BaseException) -> Optional[TrainingHalted]:
-        return collective_timeout_halt(exc, self.rank, self.host, self.last_step)
-
-    def stop(self) -> None:
-        self.collectives.restore()
-
-
 def start_watchdog(rank: int, timeout_s: Optional[float], step: int, environ=None):
-    """The trainer's watchdog for `train.hang_timeout_s` (0: off), its allowances from NAGMOE_HANG_LONG_PHASE_S
+    """The trainer's watchdog for `train.hang_timeout_s` (0: off, not started), its allowances from NAGMOE_HANG_LONG_PHASE_S
     and NAGMOE_HANG_TERM_GRACE_S (nagmoe.settings), started, with the collectives' timeouts
     (nagmoe.parallel.collective_timeouts) following the same first step and long phases."""
-    collectives = collective_timeouts(environ)
-    if timeout_s is not None and timeout_s == 0:
-        return _Off(rank, step, collectives)
     long_phase_s, term_grace_s = hang_allowances(environ)
-    return ProgressWatchdog(rank, timeout_s, long_phase_s, term_grace_s, first_step=step,
-                            collectives=collectives).start()
+    watchdog = ProgressWatchdog(rank, timeout_s, long_phase_s, term_grace_s, first_step=step,
+                                collectives=collective_timeouts(environ))
+    # off (0): the same object never started — nothing watched, the collectives' timeouts still follow the steps
+    return watchdog if timeout_s is not None and timeout_s == 0 else watchdog.start()

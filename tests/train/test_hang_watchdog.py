@@ -9,7 +9,7 @@ import time
 import pytest
 
 from nagmoe.config import LEGACY_VALUES, load_config
-from nagmoe.train.hang_watchdog import (EXIT_HUNG, HANG_FLOOR_S, HANG_MULTIPLE, ProgressWatchdog, _Off,
+from nagmoe.train.hang_watchdog import (EXIT_HUNG, HANG_FLOOR_S, HANG_MULTIPLE, ProgressWatchdog,
                                         start_watchdog)
 
 
@@ -95,7 +95,10 @@ def test_a_real_sigterm_reaches_the_watchdog_while_the_main_thread_is_blocked():
 
 
 def test_off_and_the_legacy_value():
-    assert isinstance(start_watchdog(0, 0, 0), _Off)
+    off = start_watchdog(0, 0, 0)
+    assert off._thread is None and off._wake_r is None  # not started: nothing watched, no signal fd taken
+    off.step_done(1, 0.1)
+    off.stop()
     assert LEGACY_VALUES["train.hang_timeout_s"] == 0.0  # a run dir from before resumes without it
     assert load_config(None).train.hang_timeout_s is None  # new runs: derived
     w = start_watchdog(0, None, 5, environ={"NAGMOE_HANG_LONG_PHASE_S": "7", "NAGMOE_HANG_TERM_GRACE_S": "2"})
