@@ -6,6 +6,8 @@ string costs a few hundred characters, not the whole value. `one_line(message)` 
 characters escaped, at most MAX_MESSAGE characters."""
 from __future__ import annotations
 
+import sys
+
 SHOWN_CHARS = 200  # one value in a message
 MAX_MESSAGE = 4000  # one whole error or warning line
 
@@ -76,3 +78,8 @@ def one_line(message: str, limit: int = MAX_MESSAGE) -> str:
     """A message as one bounded line (the CLI prints every error and warning through this)."""
     text = _escape(str(message))
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def warn(message: str) -> None:
+    """A warning on stderr, printed even with --quiet (warnings are never routine)."""
+    print(f"[nagmoe] warning: {message}", file=sys.stderr, flush=True)

@@ -43,9 +43,9 @@ from typing import Callable, Optional
 
 from nagmoe.config import Config, ConfigError, dump_yaml, load_config, parse_overrides, set_key, yaml_load
 from nagmoe.errors import UserError, shown
+from nagmoe.rundir.names import SUMMARY_FILE
 from nagmoe.yaml_files import next_in_chain, read_yaml
 
-SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"
 MANAGED_KEYS = ("train.flop_budget", "train.flop_convention", "train.seed")  # set by the experiment only
 TOP_KEYS = ("name", "flop_budget", "flop_convention", "seeds", "runs", "include", "overrides", "report",

@@ -405,7 +405,7 @@ def compare(results: dict) -> dict:
 # resume
 # ----------------------------------------------------------------------------------------------------------
 def step_losses(run_dir: str) -> dict:
-    from nagmoe.train.metrics import read_metrics
+    from nagmoe.rundir.metrics import read_metrics
 
     return {r["step"]: r["loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))}
 

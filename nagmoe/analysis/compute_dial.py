@@ -21,19 +21,12 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional, Sequence
 
-from nagmoe.model.mod_calibration import realised_skip_rate  # the one skip-rate rule (the calibrator uses it too)
+from nagmoe.model.mod_calibration import (  # the one skip-rate rule (the calibrator uses it too)
+    calibrate_skip_rate, mod_calibrator, realised_skip_rate)
 
 DIAL_RATES = (0.0, 0.1, 0.2, 0.3, 0.4)
-DIAL_PASSES = 4  # fixed-point passes of the dial's calibration
-DIAL_TOLERANCE = 0.002  # stop calibrating once the realised rate is this close
 EXECUTED_KEY = "executed_frac"
 NOT_AVAILABLE = "not available"
-
-
-def mod_calibrator(model):
-    """The model's MoDCalibrator, or None (no MoD in this model, or a model without the MoD API)."""
-    getter = getattr(model, "mod_calibrator", None)
-    return getter() if callable(getter) else None
 
 
 def mod_section(stats: dict, model=None) -> object:
@@ -58,35 +51,6 @@ def mod_section(stats: dict, model=None) -> object:
             out["training_skip_rate"] = summary["skip_rate"]
             out["training_executed_frac_per_sublayer"] = summary["executed_fractions"]
     return out
-
-
-def calibrate_skip_rate(model, rate: float, run_forwards: Callable[[], None], passes: int = DIAL_PASSES) -> dict:
-    """Thresholds that realise skip rate `rate` on the tokens `run_forwards()` feeds the model (eval-mode
-    forwards): the histogram quantiles of the saved scores at level ℓ (ℓ_0 = rate) miss it, because scores
-    outside training differ from the decayed training histograms; a few fixed-point passes
-    ℓ <- ℓ + (rate − realised(ℓ)) correct that (per sublayer in per_sublayer mode, where each sublayer
-    targets its own token share; the work-weighted skip otherwise). The model keeps the last measured
-    thresholds. Returns {"requested", "calibrated" (realised on the calibration tokens), "level", "passes"}."""
-    cal = mod_calibrator(model)
-    per_sublayer = cal.mode == "per_sublayer"
-    level = [rate] * cal.n_sublayers if per_sublayer else rate
-    realised = 0.0
-    for done in range(1, passes + 1):
-        model.set_mod_skip_rate(rate, level)
-        if rate == 0:
-            break
-        cal.reset_inference_counts()
-        run_forwards()
-        executed = cal.inference_fractions() or [1.0] * cal.n_sublayers
-        realised = cal.skip_rate_of(executed)
-        if done == passes or abs(realised - rate) <= DIAL_TOLERANCE:
-            break
-        if per_sublayer:
-            level = [min(0.99, max(0.0, lv + rate - (1.0 - f))) for lv, f in zip(level, executed)]
-        else:
-            level = min(0.99, max(0.0, level + rate - realised))
-    cal.reset_inference_counts()
-    return {"requested": float(rate), "calibrated": realised, "level": level, "passes": done}
 
 
 def executed_flops_per_token(model_cfg, seq_len: int, executed: Optional[list]) -> float:

@@ -25,7 +25,7 @@ from nagmoe.analysis.report_cache import read_cache
 from nagmoe.config import to_dict
 from nagmoe.errors import UserError, one_line
 from nagmoe.safe_files import atomic_writer
-from nagmoe.train.metrics import plain_json
+from nagmoe.rundir.metrics import plain_json
 
 PROBLEM_CHARS = 600  # one problem line of the report, at most
 FINAL_LOSS_WINDOW = 10  # final training loss = mean over the last this many logged steps
@@ -106,7 +106,7 @@ def read_run(run_dir: str) -> tuple[Optional[RunRecord], list]:
     run_info.json: one message naming the file and field)."""
     from nagmoe.checkpoint import latest_valid_checkpoint
     from nagmoe.checkpoint.run_dir import CONFIG_FILE, SUMMARY_FILE, read_run_info, read_saved_config, read_summary
-    from nagmoe.train.metrics import METRICS_FILE, read_metrics
+    from nagmoe.rundir.metrics import METRICS_FILE, read_metrics
 
     where = one_line(run_dir, 500)  # the dir as the Problems section names it: one bounded line
     if not os.path.isdir(run_dir):

@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 from nagmoe.errors import UserError, shown
 from nagmoe.read_files import expect, expect_object, loads_json, read_json, read_text
+from nagmoe.rundir.names import CHECKPOINTS
 from nagmoe.safe_files import write_atomic
 
-CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 STATE = "state.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")

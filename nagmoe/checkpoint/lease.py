@@ -38,10 +38,10 @@ from typing import Optional
 from nagmoe.errors import UserError, shown
 from nagmoe.job_environment import slurm_restart_count
 from nagmoe.read_files import expect, expect_object, loads_json, read_text
+from nagmoe.rundir.names import LEASE_FILE
 from nagmoe.safe_files import write_atomic
 from nagmoe.settings import lease_intervals
 
-LEASE_FILE = "lease.json"
 # the fields a lease must have, and their types
 FIELDS = {"host": str, "pid": int, "token": str, "refreshed": (int, float)}
 OPTIONAL = {"slurm_job_id": (str, type(None)), "slurm_restart_count": int, "acquired": (int, float)}

@@ -9,11 +9,11 @@ from nagmoe.checkpoint.files import (CHECKPOINTS, is_valid_checkpoint, list_chec
                                      unfinished_writes, verify_checkpoint)
 from nagmoe.checkpoint.publish import fresh_tag, remove_dir
 from nagmoe.errors import UserError
+from nagmoe.rundir.names import HISTORY_FILES
 from nagmoe.safe_files import fsync_dir
 
 # What a run dir holds once a run has started: finding any of it with no valid checkpoint means a run would
 # be started over on top of another one's history.
-HISTORY_FILES = ("metrics.jsonl", "run_info.json", "summary.json")
 
 log = logging.getLogger("nagmoe.checkpoint")  # the package's one logger name
 

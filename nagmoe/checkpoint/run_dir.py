@@ -13,12 +13,10 @@ import time
 from nagmoe.config import RESUMABLE_KEYS, Config, config_from_dict, dump_yaml, missing_legacy_keys, set_key, to_dict
 from nagmoe.errors import UserError, shown
 from nagmoe.read_files import NUMBER, expect, expect_object, read_json
+from nagmoe.rundir.names import CONFIG_FILE, RUN_INFO_FILE, SUMMARY_FILE
 from nagmoe.safe_files import write_atomic
 from nagmoe.schema import RESUMABLE_LAYOUT_KEYS
 
-CONFIG_FILE = "config.yaml"
-RUN_INFO_FILE = "run_info.json"
-SUMMARY_FILE = "summary.json"
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

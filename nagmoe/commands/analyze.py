@@ -30,7 +30,7 @@ def run(args) -> int:
     from nagmoe.analysis.run_analysis import analyze_run
     from nagmoe.commands.eval import resolve_device
     from nagmoe.safe_files import atomic_writer
-    from nagmoe.train.metrics import plain_json
+    from nagmoe.rundir.metrics import plain_json
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):

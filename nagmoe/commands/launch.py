@@ -14,6 +14,7 @@ import sys
 
 from nagmoe.commands.common import add_config_arguments, config_from_args
 from nagmoe.errors import UserError
+from nagmoe.rundir.names import PREFLIGHT_DIR, SLURM_DIR, SUMMARY_FILE
 from nagmoe.settings import check_start_settings
 from nagmoe.run_permissions import add_accept_config_change, refuse_force
 
@@ -118,7 +119,7 @@ def run(args) -> int:
         return 0
     job = slurm.submit(path)
     pinned_config.record_job(run_dir, job, sha)
-    log = os.path.join(run_dir, slurm.SLURM_DIR, f"slurm-{job}.out")
+    log = os.path.join(run_dir, SLURM_DIR, f"slurm-{job}.out")
     print(f"submitted job {job}: {opts.nodes} node(s) x {opts.procs_per_node} rank(s); run dir {run_dir}; "
           f"log {log}")
     return 0
@@ -135,14 +136,14 @@ def _run_preflight(args, opts, cfg, run_dir: str, config_yaml: str) -> int:
             _warn_memory(cfg, opts, args.gpu_memory)
         sys.stdout.write(script)
         return 0
-    directory = os.path.join(run_dir, slurm.PREFLIGHT_DIR)
+    directory = os.path.join(run_dir, PREFLIGHT_DIR)
     path = slurm.write_files(directory, config_yaml, {slurm.PREFLIGHT_TEMPLATE: script})[slurm.PREFLIGHT_TEMPLATE]
     if not args.submit:
         print(f"wrote {path}; submit with: sbatch {path}")
         return 0
     job = slurm.submit(path)
     print(f"submitted preflight job {job}: {opts.nodes} node(s) x {opts.procs_per_node} rank(s); verdict in "
-          f"{os.path.join(directory, slurm.SLURM_DIR, f'slurm-{job}.out')} and {os.path.join(directory, 'summary.json')}")
+          f"{os.path.join(directory, SLURM_DIR, f'slurm-{job}.out')} and {os.path.join(directory, SUMMARY_FILE)}")
     return 0
 
 
@@ -199,5 +200,5 @@ def _run_prepare(args, opts, cfg) -> int:
         jobs[step] = previous = slurm.submit(paths[names[step]], f"afterok:{previous}" if previous else None)
     parts = [f"{step} job {job}" + (f" ({n} array tasks)" if step == "slices" else "") for step, job in jobs.items()]
     print(f"submitted {', '.join(parts)}: data dir {cfg.data.data_dir}; logs in "
-          f"{os.path.join(launch_dir, slurm.SLURM_DIR)}")
+          f"{os.path.join(launch_dir, SLURM_DIR)}")
     return 0

@@ -4,6 +4,8 @@ training steps of DIR/slurm/config.yaml in DIR/run, a save and a resume, peak me
 Rank 0 writes DIR/summary.json and prints the verdict (nagmoe/train/preflight.py); exit 1 when a check fails."""
 import os
 
+from nagmoe.rundir.names import CONFIG_FILE, SLURM_DIR
+
 
 def add_arguments(p):
     p.add_argument("--dir", required=True, help="the preflight directory (slurm/config.yaml inside)")
@@ -20,7 +22,7 @@ def run(args) -> int:
 
     if args.steps < 1:
         raise UserError(f"--steps: {args.steps} must be >= 1")
-    config = os.path.join(args.dir, "slurm", "config.yaml")
+    config = os.path.join(args.dir, SLURM_DIR, CONFIG_FILE)
     if not os.path.isfile(config):
         raise UserError(f"{config}: no preflight config (write one with `nagmoe launch slurm --preflight`)")
     with launched_process_group(load_config(config)):

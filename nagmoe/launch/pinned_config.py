@@ -15,12 +15,9 @@ import shutil
 import subprocess
 import time
 
-from nagmoe.errors import UserError, shown
+from nagmoe.errors import UserError, shown, warn
+from nagmoe.rundir.names import JOBS_FILE, SLURM_DIR
 from nagmoe.safe_files import open_append, write_atomic
-from nagmoe.train.guards import warn
-
-SLURM_DIR = "slurm"
-JOBS_FILE = "jobs.jsonl"
 
 
 def config_sha256(config_yaml: str) -> str:

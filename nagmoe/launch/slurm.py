@@ -35,12 +35,11 @@ from typing import Optional
 import nagmoe
 from nagmoe.errors import UserError
 from nagmoe.safe_files import write_atomic
-from nagmoe.train.preemption import MARKER_FILE, REQUEST_FILE
+from nagmoe.rundir.names import CHECKPOINTS, CONFIG_FILE, MARKER_FILE, PREFLIGHT_DIR, REQUEST_FILE, SLURM_DIR
 
 TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(nagmoe.__file__))), "launch")
 TRAIN_TEMPLATE = "train.sbatch"
 PREPARE_TEMPLATE = "prepare_data.sbatch"
-SLURM_DIR = "slurm"  # inside the run dir: config, scripts, logs
 _PLACEHOLDER = re.compile(r"\{\{([A-Z_]+)\}\}")
 # One #SBATCH value needing no quoting: partition, account, time, job name. Wider values (paths) are quoted.
 _WORD = re.compile(r"[A-Za-z0-9_.+,:=@-]+")
@@ -242,7 +241,6 @@ def render_train_script(opts: SlurmOptions, run_dir: str, config_sha256: Optiona
 
 
 PREFLIGHT_TEMPLATE = "preflight.sbatch"
-PREFLIGHT_DIR = "preflight"
 
 
 def render_preflight_script(opts: SlurmOptions, run_dir: str, steps: int = 3,
@@ -271,7 +269,7 @@ def render_prepare_scripts(opts: SlurmOptions, launch_dir: str, num_slices: int,
     """{step: script text} for the data-preparation jobs (tokenizer only `with_tokenizer`)."""
     opts.validate()
     launch_dir = os.path.abspath(launch_dir)
-    config = shlex.quote(os.path.join(launch_dir, SLURM_DIR, "config.yaml"))
+    config = shlex.quote(os.path.join(launch_dir, SLURM_DIR, CONFIG_FILE))
     base = opts.job_name or job_name_from(f"nagmoe-prep-{os.path.basename(launch_dir)}")
     logs = os.path.join(launch_dir, SLURM_DIR)
     steps = {
@@ -302,7 +300,7 @@ def check_resume_config(run_dir: str, config_yaml: str, accept_config_change: bo
     from nagmoe.config import config_from_dict, yaml_load
     from nagmoe.checkpoint.run_dir import read_saved_config, resume_differences
 
-    ckpts = os.path.join(run_dir, "checkpoints")
+    ckpts = os.path.join(run_dir, CHECKPOINTS)
     if accept_config_change or not (os.path.isdir(ckpts) and os.listdir(ckpts)):
         return
     saved = read_saved_config(run_dir)

@@ -21,8 +21,8 @@ Histograms fold in each optimizer step's counts (H <- decay·H + counts, summed 
 trainer's `reduce_fn`) after the step: the thresholds used at step t come from scores of steps < t only, so a
 token's decision depends on its own score alone (causal) and every rank uses the same thresholds. Histograms,
 thresholds and corrections are buffers saved in the checkpoint and used unchanged at generation;
-`set_skip_rate(rate, level)` is the compute dial (nagmoe.analysis.compute_dial calibrates `level` so that the
-realised rate is the requested one).
+`set_skip_rate(rate, level)` is the compute dial (`calibrate_skip_rate` below calibrates `level` so that the
+realised rate is the requested one; eval, analysis and export use it).
 """
 from __future__ import annotations
 
@@ -331,3 +331,42 @@ class MoDCalibrator(nn.Module):
         """Realised (work-weighted) skip rate of the forwards outside training so far (None before any)."""
         fractions = self.inference_fractions()
         return None if fractions is None else self.skip_rate_of(fractions)
+
+
+DIAL_PASSES = 4  # fixed-point passes of the dial's calibration
+DIAL_TOLERANCE = 0.002  # stop calibrating once the realised rate is this close
+
+
+def mod_calibrator(model):
+    """The model's MoDCalibrator, or None (no MoD in this model, or a model without the MoD API)."""
+    getter = getattr(model, "mod_calibrator", None)
+    return getter() if callable(getter) else None
+
+
+def calibrate_skip_rate(model, rate: float, run_forwards: Callable[[], None], passes: int = DIAL_PASSES) -> dict:
+    """Thresholds that realise skip rate `rate` on the tokens `run_forwards()` feeds the model (eval-mode
+    forwards): the histogram quantiles of the saved scores at level ℓ (ℓ_0 = rate) miss it, because scores
+    outside training differ from the decayed training histograms; a few fixed-point passes
+    ℓ <- ℓ + (rate − realised(ℓ)) correct that (per sublayer in per_sublayer mode, where each sublayer
+    targets its own token share; the work-weighted skip otherwise). The model keeps the last measured
+    thresholds. Returns {"requested", "calibrated" (realised on the calibration tokens), "level", "passes"}."""
+    cal = mod_calibrator(model)
+    per_sublayer = cal.mode == "per_sublayer"
+    level = [rate] * cal.n_sublayers if per_sublayer else rate
+    realised = 0.0
+    for done in range(1, passes + 1):
+        model.set_mod_skip_rate(rate, level)
+        if rate == 0:
+            break
+        cal.reset_inference_counts()
+        run_forwards()
+        executed = cal.inference_fractions() or [1.0] * cal.n_sublayers
+        realised = cal.skip_rate_of(executed)
+        if done == passes or abs(realised - rate) <= DIAL_TOLERANCE:
+            break
+        if per_sublayer:
+            level = [min(0.99, max(0.0, lv + rate - (1.0 - f))) for lv, f in zip(level, executed)]
+        else:
+            level = min(0.99, max(0.0, level + rate - realised))
+    cal.reset_inference_counts()
+    return {"requested": float(rate), "calibrated": realised, "level": level, "passes": done}

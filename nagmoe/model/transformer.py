@@ -178,8 +178,8 @@ class Transformer(nn.Module):
 
     def set_mod_skip_rate(self, rate: float, level=None) -> None:
         """The post-training compute dial: thresholds for another skip rate from the saved score histograms
-        (`level`: the histogram level to read them at, default `rate`; nagmoe.analysis.compute_dial calibrates
-        it so that the realised rate is `rate`)."""
+        (`level`: the histogram level to read them at, default `rate`; model/mod_calibration.py's
+        calibrate_skip_rate calibrates it so that the realised rate is `rate`)."""
         mod = self.mod_calibrator()
         if mod is None:
             raise UserError("--skip-rate: this model was trained without MoD (model.mod.skip_rate=0): it has no "

@@ -10,8 +10,8 @@ import shutil
 import sys
 
 from nagmoe.errors import one_line
+from nagmoe.rundir.names import EXPORT_DIR
 
-EXPORT_DIR = "hf"
 
 
 def check_available(cfg) -> None:

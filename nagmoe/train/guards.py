@@ -20,7 +20,6 @@ on every check), and with `train.gate_collapse_stop` a checkpoint then exit code
 from __future__ import annotations
 
 import math
-import sys
 from contextlib import nullcontext
 from typing import Optional
 
@@ -154,11 +153,6 @@ def gate_collapse_message(step: int, gains: list[float], fraction: float, limit:
     return (f"gate collapse at step {step}: {len(shut)}/{len(gains)} NAG sublayers ({fraction:.0%}, more than "
             f"train.gate_collapse_fraction={limit:g}) have mean realised gain < {COLLAPSED_GAIN} "
             f"(sublayers {shut}); {action}")
-
-
-def warn(message: str) -> None:
-    """Console warnings of the guards are printed even with --quiet (they are never routine)."""
-    print(f"[nagmoe] warning: {message}", file=sys.stderr, flush=True)
 
 
 FAIL_AT_STEP_ENV = "NAGMOE_TEST_FAIL_AT_STEP"

@@ -28,10 +28,9 @@ from typing import Callable, NoReturn, Optional
 from nagmoe.errors import shown
 from nagmoe.job_environment import hook_setting, launched_by_torchrun, slurm_restart_count
 from nagmoe.read_files import expect, expect_object, read_json
+from nagmoe.rundir.names import MARKER_FILE, REQUEST_FILE
 from nagmoe.safe_files import atomic_writer, write_atomic
 
-REQUEST_FILE = "preempt.request"
-MARKER_FILE = "preempted.json"
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): stopped on purpose with a checkpoint; run again to continue
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 

@@ -22,6 +22,7 @@ import torch
 
 from nagmoe.config import load_config, set_key
 from nagmoe.flops import mfu
+from nagmoe.rundir.names import CONFIG_FILE, METRICS_FILE, PREFLIGHT_RUN_DIR, SLURM_DIR, SUMMARY_FILE
 from nagmoe.safe_files import atomic_writer
 
 PROBE_BYTES = {"cuda": 256 * 2 ** 20, "cpu": 8 * 2 ** 20}
@@ -62,14 +63,14 @@ def run_preflight(directory: str, steps: int = 3, gpu_memory_gb: Optional[float]
     import torch.distributed as dist
 
     from nagmoe.train.memory import estimate_memory
-    from nagmoe.train.metrics import read_metrics
+    from nagmoe.rundir.metrics import read_metrics
     from nagmoe.train.trainer import Trainer
 
-    cfg = load_config(os.path.join(directory, "slurm", "config.yaml"))
+    cfg = load_config(os.path.join(directory, SLURM_DIR, CONFIG_FILE))
     for key, value in (("train.max_steps", steps), ("train.checkpoint_every", steps), ("train.eval_every", 0),
                        ("train.eval_tokens", cfg.data.seq_len), ("log.wandb", "off")):
         set_key(cfg, key, value)
-    run_dir = os.path.join(directory, "run")
+    run_dir = os.path.join(directory, PREFLIGHT_RUN_DIR)
     if not dist.is_initialized() or dist.get_rank() == 0:  # each preflight starts from nothing
         shutil.rmtree(run_dir, ignore_errors=True)
     if dist.is_initialized():
@@ -80,7 +81,7 @@ def run_preflight(directory: str, steps: int = 3, gpu_memory_gb: Optional[float]
     bandwidth = {op: _bandwidth(op, device) for op in ("all_reduce", "all_to_all")}
     trainer.run()
     train_s = time.perf_counter() - t0
-    records = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "step" in r] if rank == 0 else []
+    records = [r for r in read_metrics(os.path.join(run_dir, METRICS_FILE)) if "step" in r] if rank == 0 else []
     saved_step = trainer.progress.step
     set_key(cfg, "train.max_steps", steps + 1)
     t1 = time.perf_counter()
@@ -119,7 +120,7 @@ def run_preflight(directory: str, steps: int = 3, gpu_memory_gb: Optional[float]
     }
     summary["checks"] = _checks(summary, records)
     summary["verdict"] = "PASS" if all(c["ok"] for c in summary["checks"]) else "FAIL"
-    with atomic_writer(os.path.join(directory, "summary.json")) as f:  # nagmoe.safe_files
+    with atomic_writer(os.path.join(directory, SUMMARY_FILE)) as f:  # nagmoe.safe_files
         json.dump(summary, f, indent=1)
     return summary
 

@@ -31,9 +31,10 @@ from nagmoe.config import Config
 from nagmoe.data import shards
 from nagmoe.data.loader import TokenLoader, TokenShards, check_data_vocab, iter_eval_batches
 from nagmoe.data.bpb import bits_per_byte, bpb_sums, token_bytes
-from nagmoe.errors import UserError
+from nagmoe.errors import UserError, warn
 from nagmoe.flops import flops_per_token
 from nagmoe.model import build_model
+from nagmoe.rundir.names import METRICS_FILE
 from nagmoe.train.deepspeed_engine import DeepSpeedEngine
 from nagmoe.parallel.expert_parallel import expert_shard_plan, shard_experts
 from nagmoe.parallel.grad_sync import clip_grad_norm_, named_params, sync_expert_grads, wrap_ddp
@@ -50,12 +51,12 @@ from nagmoe.settings import check_start_settings
 from nagmoe.train.export_at_end import check_available as check_export_available, export_at_end
 from nagmoe.train.wandb_id import ensure_wandb_id
 from nagmoe.train.wandb_mode import start_wandb, wandb_record
-from nagmoe.train.metrics import MetricsWriter, check_metrics_steps, truncate_metrics
+from nagmoe.rundir.metrics import MetricsWriter, check_metrics_steps, truncate_metrics
 from nagmoe.train.optim import build_optimizers
 from nagmoe.train.host_copy import to_device
 from nagmoe.train.guards import (
     EXIT_GATE_COLLAPSE, EXIT_NONFINITE, TrainingHalted, collapsed_fraction, gate_collapse_message, is_nonfinite,
-    fail_at_step_for_a_test, locate_nonfinite, nonfinite_message, realised_gains, warn)
+    fail_at_step_for_a_test, locate_nonfinite, nonfinite_message, realised_gains)
 from nagmoe.train.preemption import PreemptionWatch
 from nagmoe.train.hang_watchdog import start_watchdog
 from nagmoe.train.precision_context import TrainingPrecision, reusable_autocast
@@ -108,7 +109,7 @@ def check_history_files(run_dir: str) -> None:
     before it writes anything: a bad one is a UserError naming the file and field, and the run dir stays as it
     was."""
     read_run_info(run_dir, own_only=True)
-    check_metrics_steps(os.path.join(run_dir, "metrics.jsonl"))
+    check_metrics_steps(os.path.join(run_dir, METRICS_FILE))
 
 
 class Trainer:
@@ -236,7 +237,7 @@ class Trainer:
                 m, cfg.data.seq_len, calibrator, self.progress.mod_account, self.progress.step,
                 getattr(t, "flop_convention", "matmul"))
             if self.rank == 0:  # also from step 0: a run killed before its first checkpoint logged steps already
-                truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), self.progress.step)
+                truncate_metrics(os.path.join(run_dir, METRICS_FILE), self.progress.step)
             # DDP for the replicated parameters (after the load: its start-up broadcast then changes nothing)
             self.ddp = (wrap_ddp(self.model, mesh, self.expert_names) if mesh.distributed and self.engine is None
                         else None)

@@ -12,9 +12,9 @@ import string
 
 from nagmoe.errors import UserError, shown
 from nagmoe.read_files import read_text
+from nagmoe.rundir.names import WANDB_ID_FILE
 from nagmoe.safe_files import write_atomic
 
-WANDB_ID_FILE = "wandb_id"
 ALPHABET = string.ascii_lowercase + string.digits
 ID_LENGTH = 16
 VALID_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # what wandb accepts in a run id, bounded

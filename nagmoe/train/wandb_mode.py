@@ -61,7 +61,7 @@ def start_wandb(cfg, run_dir: str):
     """The run's wandb logger (rank 0 calls it), or None with `log.wandb: off`, or with `auto` where wandb is not
     installed (a warning); `offline`/`online` without wandb is a UserError naming the extra."""
     from nagmoe.errors import UserError
-    from nagmoe.train.guards import warn
+    from nagmoe.errors import warn
 
     setting = cfg.log.wandb
     if setting == "off":

@@ -1,4 +1,8 @@
-"""Imports run one way (issue 20): the layers of the package and the checkpoint package's place in them.
+"""Imports run one way (issues 20, 54): the folders are the layers of the pipeline, and a module imports its own
+folder or a folder of a lower layer, never one above it nor a sibling of its own layer.
+
+    base -> config -> ops, cuda_rules -> model, data -> rundir -> checkpoint, parallel -> eval -> analysis, hf
+         -> train -> launch -> commands -> cli
 
 The graph counts every import statement, lazy ones inside functions too (tests/arch/import_graph.py)."""
 import pytest
@@ -7,29 +11,62 @@ from import_graph import cycles, import_graph
 
 GRAPH = import_graph()
 
+LAYERS = [("base",), ("config",), ("ops", "cuda_rules"), ("model", "data"), ("rundir",), ("checkpoint", "parallel"),
+          ("eval",), ("analysis", "hf"), ("train",), ("launch",), ("commands",), ("cli",)]
+RANK = {folder: rank for rank, folders in enumerate(LAYERS) for folder in folders}
 
-def _importers(prefixes: tuple[str, ...], forbidden: str) -> list[str]:
-    return sorted(f"{m} -> {t}" for m, targets in GRAPH.items() if m.startswith(prefixes)
-                  for t in targets if t == forbidden or t.startswith(forbidden + "."))
-
-
-@pytest.mark.parametrize("layer,forbidden", [
-    (("nagmoe.parallel", "nagmoe.eval"), "nagmoe.train"),
-    (("nagmoe.checkpoint",), "nagmoe.train"),
-    (("nagmoe.checkpoint",), "nagmoe.parallel"),
-    (("nagmoe.ops",), "nagmoe.model"),
-    (("nagmoe.model",), "nagmoe.train"),
-    (("nagmoe.model",), "nagmoe.parallel"),
-    (("nagmoe.model",), "nagmoe.checkpoint"),
-    (("nagmoe.schema", "nagmoe.flops", "nagmoe.nag_math", "nagmoe.errors", "nagmoe.safe_files"), "nagmoe.config"),
-    (("nagmoe.analysis",), "nagmoe.commands"),
-    (("nagmoe.eval",), "nagmoe.commands"),
-])
-def test_layer_does_not_import_upwards(layer, forbidden):
-    assert _importers(layer, forbidden) == []
+# The modules at the top of the package, and the folder each belongs to. `nagmoe` itself (the version) is below
+# everything; `nagmoe.flops` re-exports nagmoe.config.flops, a contract name (DESIGN.md) for users, not for the
+# package's own code.
+TOP_LEVEL = {"nagmoe.cli": "cli", "nagmoe.__main__": "cli", "nagmoe.flops": "config"}
+# Loose modules not moved yet, by the folder they move to: this table only shrinks, and empties with the move.
+NOT_MOVED_YET = {
+    "nagmoe.errors": "base", "nagmoe.safe_files": "base", "nagmoe.read_files": "base", "nagmoe.settings": "base",
+    "nagmoe.job_environment": "base", "nagmoe.schema": "config", "nagmoe.config": "config",
+    "nagmoe.yaml_files": "config", "nagmoe.layout_solver": "config", "nagmoe.nag_math": "ops",
+    "nagmoe.run_permissions": "rundir", "nagmoe.hf_export": "hf", "nagmoe.hf_import": "hf", "nagmoe.hf_check": "hf",
+    "nagmoe.safetensors_header": "hf", "nagmoe.experiment": "launch",
+}
+MOVED_OUT_OF_FOLDERS = {"nagmoe.checkpoint.run_dir": "rundir", "nagmoe.checkpoint.lease": "rundir",
+                        "nagmoe.train.wandb_id": "rundir"}
 
 
-def test_the_one_writer_sits_in_layer_1():
+def folder_of(module: str) -> str | None:
+    if module in TOP_LEVEL or module in NOT_MOVED_YET or module in MOVED_OUT_OF_FOLDERS:
+        return {**TOP_LEVEL, **NOT_MOVED_YET, **MOVED_OUT_OF_FOLDERS}[module]
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in RANK) else None
+
+
+def test_every_module_sits_in_a_layer():
+    assert sorted(m for m in GRAPH if m != "nagmoe" and folder_of(m) not in RANK) == []
+    assert sorted(m for m in {**NOT_MOVED_YET, **MOVED_OUT_OF_FOLDERS} if m not in GRAPH) == []  # no stale entry
+
+
+def test_imports_run_down_the_layers():
+    """Neither up (analysis -> train) nor sideways (eval -> analysis, model -> data): a module imports its own
+    folder or a lower layer's."""
+    wrong = [f"{m} -> {t}" for m, targets in GRAPH.items() for t in targets
+             if t != "nagmoe" and folder_of(m) != folder_of(t) and RANK[folder_of(t)] >= RANK[folder_of(m)]]
+    assert sorted(wrong) == []
+
+
+def test_a_job_script_renders_without_the_training_stack():
+    """launch/'s job-script modules (slurm, pinned_config) sit above train only because launch/experiment.py runs
+    the trainer in-process: rendering or submitting a job imports nothing of parallel, train, eval, analysis, hf."""
+    stack = {"parallel", "train", "eval", "analysis", "hf"}
+    wrong = [f"{m} -> {t}" for m, targets in GRAPH.items() for t in targets
+             if m.startswith("nagmoe.launch.") and m != "nagmoe.launch.experiment" and folder_of(t) in stack]
+    assert sorted(wrong) == []
+
+
+def test_the_base_layer_imports_no_other_layer():
+    """base/ (errors, the one writer and reader, the environment's variables) is used from every layer."""
+    assert sorted(f"{m} -> {t}" for m, targets in GRAPH.items() if folder_of(m) == "base"
+                  for t in targets if folder_of(t) != "base") == []
+
+
+def test_the_one_writer_imports_only_the_errors():
     """nagmoe/safe_files.py (issue 40) is used from every layer: it imports nothing of nagmoe but errors.py."""
     assert {t for t in GRAPH["nagmoe.safe_files"] if t.startswith("nagmoe")} == {"nagmoe.errors"}
 

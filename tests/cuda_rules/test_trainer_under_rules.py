@@ -13,7 +13,7 @@ from nagmoe.model.attention import MultiHeadAttention
 from nagmoe.model.cca import CCAttention
 from nagmoe.model.mlp import DenseMLP
 from nagmoe.model.moe import MoELayer, Router
-from nagmoe.train.metrics import read_metrics
+from nagmoe.rundir.metrics import read_metrics
 from nagmoe.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow

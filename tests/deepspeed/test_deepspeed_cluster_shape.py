@@ -29,7 +29,7 @@ def train(overrides, run_dir):
     """Train; (step, grad_norm) from the metrics and b at the end."""
     from nagmoe.config import load_config
     from nagmoe.model.router_health import expert_biases
-    from nagmoe.train.metrics import read_metrics
+    from nagmoe.rundir.metrics import read_metrics
     from nagmoe.train.trainer import Trainer
 
     trainer = Trainer(load_config(os.path.join(REPO, "configs/tiny.yaml"), list(overrides)), run_dir, quiet=True)

@@ -41,7 +41,7 @@ def nagmoe_train(args, ds_env, timeout=300):
 
 
 def losses(run_dir):
-    from nagmoe.train.metrics import read_metrics
+    from nagmoe.rundir.metrics import read_metrics
 
     return [(r["step"], r["loss"]) for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
 

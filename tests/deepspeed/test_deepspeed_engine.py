@@ -76,7 +76,7 @@ def bias_of(model):
 
 
 def step_losses(run_dir):
-    from nagmoe.train.metrics import read_metrics
+    from nagmoe.rundir.metrics import read_metrics
 
     return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
 
@@ -394,7 +394,7 @@ def nagmoe_cli(args, env=None):
 
 @requires_deepspeed
 def test_cli_trains_and_resumes_on_deepspeed_in_one_process(micro_overrides, ds_env, tmp_path):
-    from nagmoe.train.metrics import read_metrics
+    from nagmoe.rundir.metrics import read_metrics
 
     run_dir = str(tmp_path / "run")
     args = ["train", "--config", "configs/tiny.yaml", "--run-dir", run_dir, "--quiet", *micro_overrides,

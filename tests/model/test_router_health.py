@@ -28,7 +28,7 @@ def test_statistics_of_known_counts():
 
 
 def test_a_run_logs_router_health_per_layer(micro_config, tmp_path):
-    from nagmoe.train.metrics import read_metrics
+    from nagmoe.rundir.metrics import read_metrics
     from nagmoe.train.trainer import Trainer
 
     torch.set_num_threads(1)

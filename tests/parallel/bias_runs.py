@@ -9,7 +9,7 @@ BIAS_ON = ("model.moe.expert_bias=true", "model.moe.bias_update_rate=0.01")
 def train_recording(overrides, run_dir) -> dict:
     from nagmoe.config import load_config
     from nagmoe.model.router_health import expert_biases
-    from nagmoe.train.metrics import read_metrics
+    from nagmoe.rundir.metrics import read_metrics
     from nagmoe.train.trainer import Trainer
 
     class RecordingBias(Trainer):

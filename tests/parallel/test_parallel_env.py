@@ -112,7 +112,7 @@ def test_torchrun_train_ep2_then_consolidate(micro_overrides, repo_root, tmp_pat
     import torch
 
     from nagmoe.checkpoint.consolidate import consolidate_run, load_consolidated_model
-    from nagmoe.train.metrics import read_metrics
+    from nagmoe.rundir.metrics import read_metrics
 
     run_dir = tmp_path / "run"
     overrides = [*micro_overrides, "train.max_steps=2", "train.eval_tokens=256"]

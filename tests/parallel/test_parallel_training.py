@@ -101,13 +101,13 @@ def make_trainer(overrides, run_dir, cls=None, **kw):
 
 
 def step_losses(run_dir):
-    from nagmoe.train.metrics import read_metrics
+    from nagmoe.rundir.metrics import read_metrics
 
     return [(r["step"], r["loss"]) for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
 
 
 def step_grad_norms(run_dir):
-    from nagmoe.train.metrics import read_metrics
+    from nagmoe.rundir.metrics import read_metrics
 
     return [(r["step"], r["grad_norm"]) for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
 

@@ -82,7 +82,7 @@ def dir_bytes(path):
 def rehearse(name, data_dir, tmp_path, n_layers, timeout):
     """Train/save on 2 ranks, resume on 2 fresh ranks, then eval, generate and consolidate the run dir."""
     from nagmoe.train.memory import estimate_memory
-    from nagmoe.train.metrics import read_metrics
+    from nagmoe.rundir.metrics import read_metrics
 
     overrides = paper_overrides(name, data_dir, n_layers)
     run_dir = str(tmp_path / name)

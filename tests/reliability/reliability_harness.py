@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import pytest
 
-from nagmoe.train.metrics import read_metrics
+from nagmoe.rundir.metrics import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))

@@ -169,7 +169,7 @@ def test_links_at_the_run_dirs_names_leave_the_victim_unchanged(the_run):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_link_at_metrics_jsonl_exits_2_naming_it(kind, victim, the_run, micro_args, tmp_path, capsys):
-    from nagmoe.train.metrics import MetricsWriter
+    from nagmoe.rundir.metrics import MetricsWriter
 
     run_dir = copy_run(the_run, tmp_path)
     metrics = os.path.join(run_dir, "metrics.jsonl")
@@ -271,7 +271,7 @@ def _writers(the_run, micro_args):
     from nagmoe.checkpoint.lease import RunDirLease
     from nagmoe.checkpoint.run_dir import prepare_run_dir, read_saved_config, write_run_info, write_summary
     from nagmoe.checkpoint.torch_layout import save_checkpoint
-    from nagmoe.train.metrics import truncate_metrics
+    from nagmoe.rundir.metrics import truncate_metrics
 
     def lease(run_dir):
         RunDirLease(run_dir, take_over=True).acquire().release()

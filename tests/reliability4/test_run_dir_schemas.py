@@ -131,7 +131,7 @@ def _readers():
     from nagmoe.checkpoint.reader import checkpoint_format
     from nagmoe.checkpoint.resume import saved_layout
     from nagmoe.checkpoint.run_dir import read_run_info, read_summary, update_run_info, write_run_info
-    from nagmoe.train.metrics import read_metrics, truncate_metrics
+    from nagmoe.rundir.metrics import read_metrics, truncate_metrics
     from nagmoe.train.preemption import read_marker
 
     ckpt = latest
@@ -236,7 +236,7 @@ def test_every_reader_names_the_file_and_field(kind, breakage, good_run, tmp_pat
 def test_a_torn_last_metrics_line_is_what_a_crash_leaves_and_is_skipped(good_run, tmp_path):
     """A crash mid-append tears the last line (no newline): skipped, and dropped by the resume's truncation; the
     same text anywhere else is corruption (a UserError naming the line)."""
-    from nagmoe.train.metrics import read_metrics, truncate_metrics
+    from nagmoe.rundir.metrics import read_metrics, truncate_metrics
 
     path = os.path.join(copy_of(good_run, tmp_path, "run"), "metrics.jsonl")
     records = read_metrics(path)

@@ -15,7 +15,7 @@ import torch
 
 from multihost_cluster import multihost_cluster
 from slurm_cluster import FINAL_STATES, wait_until
-from nagmoe.train.metrics import read_metrics
+from nagmoe.rundir.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 

@@ -11,7 +11,7 @@ import pytest
 
 from slurm_cluster import wait_until
 from nagmoe.checkpoint import latest_valid_checkpoint
-from nagmoe.train.metrics import read_metrics
+from nagmoe.rundir.metrics import read_metrics
 from nagmoe.train.preemption import EXIT_PREEMPTED, MARKER_FILE, REQUEST_FILE, PreemptionWatch, read_marker
 
 pytestmark = pytest.mark.slurm

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from slurm_cluster import FINAL_STATES, wait_until
-from nagmoe.train.metrics import read_metrics
+from nagmoe.rundir.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 

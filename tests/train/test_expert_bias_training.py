@@ -71,7 +71,7 @@ def test_a_skipped_nonfinite_step_leaves_the_bias(micro_config):
 def router_records(run_dir):
     import os
 
-    from nagmoe.train.metrics import read_metrics
+    from nagmoe.rundir.metrics import read_metrics
 
     return {r["step"]: r["router"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "router" in r}
 

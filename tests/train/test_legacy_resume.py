@@ -7,7 +7,7 @@ import torch
 import yaml
 
 from nagmoe.config import LEGACY_VALUES
-from nagmoe.train.metrics import read_metrics
+from nagmoe.rundir.metrics import read_metrics
 from nagmoe.train.trainer import Trainer
 
 OVERRIDES = ("model.moe.top_k=1", "model.mod.skip_rate=0.2", "train.max_steps=4", "train.checkpoint_every=2")

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import torch
 
-from nagmoe.train.metrics import METRICS_FILE, MetricsWriter, read_metrics, truncate_metrics
+from nagmoe.rundir.metrics import METRICS_FILE, MetricsWriter, read_metrics, truncate_metrics
 
 
 def test_writer_appends_strict_json_lines(tmp_path):
@@ -55,7 +55,7 @@ def test_a_line_the_trainer_completes_while_it_is_read_is_not_corruption(tmp_pat
     writer's append is arranged to fall in exactly that moment (a real file, written by a second handle)."""
     import builtins
 
-    import nagmoe.train.metrics as metrics_module
+    import nagmoe.rundir.metrics as metrics_module
 
     path = tmp_path / METRICS_FILE
     full = [json.dumps({"step": s, "tokens": 512 * s, "flops": 1.0 * s, "loss": 3.0}) + "\n" for s in (1, 2, 3)]

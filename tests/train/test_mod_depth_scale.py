@@ -7,7 +7,7 @@ import os
 import pytest
 
 from nagmoe.config import load_config
-from nagmoe.train.metrics import read_metrics
+from nagmoe.rundir.metrics import read_metrics
 from nagmoe.train.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

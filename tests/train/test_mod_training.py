@@ -12,7 +12,7 @@ import torch
 from nagmoe.cli import main
 from nagmoe.config import load_config
 from nagmoe.flops import flops_per_token, mod_token_ratio
-from nagmoe.train.metrics import read_metrics
+from nagmoe.rundir.metrics import read_metrics
 from nagmoe.train.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

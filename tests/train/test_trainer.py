@@ -10,7 +10,7 @@ import pytest
 from nagmoe.errors import UserError
 from nagmoe.flops import flops_per_token
 from nagmoe.checkpoint import latest_valid_checkpoint
-from nagmoe.train.metrics import read_metrics
+from nagmoe.rundir.metrics import read_metrics
 from nagmoe.train.trainer import Trainer
 
 

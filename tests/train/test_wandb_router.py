@@ -11,7 +11,7 @@ pytest.importorskip("wandb")
 
 
 def test_the_router_report_reaches_wandb_one_scalar_per_layer(micro_config, tmp_path, monkeypatch):
-    from nagmoe.train.metrics import read_metrics
+    from nagmoe.rundir.metrics import read_metrics
     from nagmoe.train.trainer import Trainer
 
     monkeypatch.setenv("WANDB_SILENT", "true")

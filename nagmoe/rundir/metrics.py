@@ -20,9 +20,9 @@ import torch
 
 from nagmoe.errors import UserError, shown
 from nagmoe.read_files import NUMBER, expect, expect_object, loads_json
+from nagmoe.rundir.names import METRICS_FILE
 from nagmoe.safe_files import atomic_writer, open_append
 
-METRICS_FILE = "metrics.jsonl"
 
 
 def plain_json(value: Any) -> Any:
