@@ -8,8 +8,8 @@ import importlib
 import os
 import sys
 
-from nagmoe.errors import UserError, one_line
-from nagmoe.settings import inductor_cache_per_cpu_isa
+from nagmoe.base.errors import UserError, one_line
+from nagmoe.base.environment import inductor_cache_per_cpu_isa
 
 # subcommand -> (module under nagmoe.commands, one-line help)
 COMMANDS = {
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    inductor_cache_per_cpu_isa()  # a capped CPU capability compiles into a cache of its own (nagmoe.settings)
+    inductor_cache_per_cpu_isa()  # a capped CPU capability compiles into a cache of its own (nagmoe.base.environment)
     module = _load(args._module)
     if module is None:
         print(f"nagmoe {args.command}: not built yet in this version (see README status)", file=sys.stderr)

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Iterable, Optional
 
-from nagmoe.errors import UserError, shown
+from nagmoe.base.errors import UserError, shown
 from nagmoe.flops import flops_per_token
 from nagmoe.schema import (
     CHOICES,

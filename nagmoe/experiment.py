@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from nagmoe.config import Config, ConfigError, dump_yaml, load_config, parse_overrides, set_key, yaml_load
-from nagmoe.errors import UserError, shown
+from nagmoe.base.errors import UserError, shown
 from nagmoe.rundir.names import SUMMARY_FILE
 from nagmoe.yaml_files import next_in_chain, read_yaml
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.schema import ModelConfig, attention_heads, eligible_sublayers, expert_hidden
 
 CONVENTIONS = ("matmul", "non_embedding")

@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from nagmoe.errors import UserError, shown
-from nagmoe.safe_files import atomic_writer, make_temp_dir, write_atomic
+from nagmoe.base.errors import UserError, shown
+from nagmoe.base.files import atomic_writer, make_temp_dir, write_atomic
 
 HF_FILES = ("configuration_nagmoe.py", "modeling_nagmoe.py", "layers_nagmoe.py", "nag_math.py")
 HF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf")

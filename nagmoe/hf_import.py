@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from nagmoe.errors import UserError, shown
+from nagmoe.base.errors import UserError, shown
 
 MAX_CONFIG_BYTES = 1 << 20
 _DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
@@ -24,7 +24,7 @@ _FLOAT_WEIGHTS = {"F32", "BF16", "F16"}  # what an export holds a floating tenso
 
 
 def read_export_config(export_dir: str) -> dict:
-    from nagmoe.read_files import expect, expect_object, read_json
+    from nagmoe.base.files import expect, expect_object, read_json
 
     path = os.path.join(export_dir, "config.json")
     if not os.path.isfile(path):
@@ -198,7 +198,7 @@ def load_weights(weights: str, model_cfg):
 def _write_run(run_dir: str, cfg, tok_bytes: bytes, model, step: int, export_dir: str) -> str:
     from nagmoe.checkpoint.run_dir import CONFIG_FILE
     from nagmoe.checkpoint.torch_layout import save_checkpoint
-    from nagmoe.safe_files import write_atomic
+    from nagmoe.base.files import write_atomic
     from nagmoe.schema import dump_yaml
 
     data_dir = cfg.data.data_dir

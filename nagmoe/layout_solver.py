@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from nagmoe.config import ModelConfig
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.flops import attention_heads, param_counts
 
 

@@ -16,7 +16,7 @@ import argparse
 import hashlib
 import re
 
-from nagmoe.errors import UserError, shown
+from nagmoe.base.errors import UserError, shown
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 FORCE_GONE = ("--force was split (issue 41): pass --accept-config-change to resume with a changed config{train}")

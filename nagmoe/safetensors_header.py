@@ -13,7 +13,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from nagmoe.errors import UserError, shown
+from nagmoe.base.errors import UserError, shown
 
 MAX_HEADER_BYTES = 16 << 20  # ~100 bytes per tensor: room for 150,000 tensors (an export has ~20 per layer)
 # dtype name -> bytes per element (the importer decides which dtype each tensor may have)

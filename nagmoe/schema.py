@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 
-from nagmoe.errors import UserError, shown
+from nagmoe.base.errors import UserError, shown
 from nagmoe.yaml_files import load_yaml, next_in_chain, parse
 
 
@@ -476,7 +476,7 @@ def _read_yaml_tree(path: str, stack: tuple[str, ...] = ()) -> dict:
     `inherit` is one path or a list of paths (strings), relative to the file; a cycle is named as one (files
     compared by their real path, so a symlink or `./` cannot hide it); a chain is at most 32 files
     (nagmoe.yaml_files.next_in_chain)."""
-    from nagmoe.read_files import read_text
+    from nagmoe.base.files import read_text
 
     real = next_in_chain(path, stack, "inherit", ConfigError)
     if not os.path.isfile(real):

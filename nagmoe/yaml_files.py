@@ -19,7 +19,7 @@ import re
 
 import yaml
 
-from nagmoe.errors import UserError, shown
+from nagmoe.base.errors import UserError, shown
 
 MAX_DEPTH = 64
 MAX_NODES = 100_000
@@ -154,6 +154,6 @@ def load_yaml(text: str, where: str, error=UserError):
 
 def read_yaml(path: str):
     """The YAML file at `path`, read as UTF-8 (never the locale's encoding), bounded as `load_yaml`."""
-    from nagmoe.read_files import read_text
+    from nagmoe.base.files import read_text
 
     return load_yaml(read_text(path), shown(path))

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from nagmoe.settings import inductor_cache_per_cpu_isa
+from nagmoe.base.environment import inductor_cache_per_cpu_isa
 
 # A run capped at another CPU capability (issue 50: ATEN_CPU_CAPABILITY=avx2/default) must not load kernels the
 # inductor cache holds from uncapped runs: they gave NaN (docs/decisions.md). Before anything compiles.

@@ -9,7 +9,7 @@ import json
 import struct
 
 from nagmoe.config import load_config
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.schema import Config
 
 SHOWN_BUDGET = 500

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from nagmoe.config import load_config
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.experiment import load_experiment
 from nagmoe.flops import flops_per_token
 

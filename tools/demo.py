@@ -22,7 +22,7 @@ sys.path.insert(0, REPO)
 from nagmoe import experiment as ex  # noqa: E402
 from nagmoe.data.bpb import unigram_bpb  # noqa: E402
 from nagmoe.data.prepare import ensure_prepared  # noqa: E402
-from nagmoe.errors import UserError  # noqa: E402
+from nagmoe.base.errors import UserError  # noqa: E402
 
 EXPERIMENT = "configs/experiments/demo.yaml"
 MARGIN, CEILING = 0.3, 3.0  # each model: val bpb <= unigram - MARGIN and < CEILING

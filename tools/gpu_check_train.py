@@ -131,7 +131,7 @@ def with_eager_fallback(ctx, cfg_for, run, device) -> dict:
         said = {"compile": "eager fallback", "compile_error": os.environ.get("GPU_CHECK_COMPILE_ERROR")}
         ctx.partial(said)  # should the eager run fail too, the entry says which try it was
         return {**said, **run(EAGER, "-eager")}
-    from nagmoe.errors import UserError
+    from nagmoe.base.errors import UserError
 
     if not compiles(cfg_for([]), device):
         return {"compile": "off", **run([], "")}

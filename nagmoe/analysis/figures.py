@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from nagmoe.safe_files import atomic_writer
+from nagmoe.base.files import atomic_writer
 
 DPI = 110
 
@@ -35,7 +35,7 @@ def palette(groups: list) -> dict:
 
 
 def _save(fig, path: str) -> str:
-    """PNG through a fresh temporary, renamed (nagmoe.safe_files): savefig(path) would follow a planted link."""
+    """PNG through a fresh temporary, renamed (nagmoe.base.files): savefig(path) would follow a planted link."""
     fig.tight_layout()
     try:
         with atomic_writer(path, binary=True) as f:

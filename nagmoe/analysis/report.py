@@ -24,8 +24,8 @@ from nagmoe.analysis.references import THEIRS
 from nagmoe.analysis.report_balance import HEADERS, NOTE as BALANCE_NOTE, balance_rows
 from nagmoe.analysis.report_data import (FINAL_LOSS_WINDOW, accuracy_noise, find_pairs, group_records, mean_sd,
                                          measure_checkpoint, noise_statement, problem_text, read_run, unique_labels)
-from nagmoe.errors import one_line
-from nagmoe.safe_files import atomic_writer, write_atomic
+from nagmoe.base.errors import one_line
+from nagmoe.base.files import atomic_writer, write_atomic
 
 REPORT_HTML, REPORT_JSON, FIGURE_DIR = "report.html", "report.json", "figures"
 FIGURES = ("loss_curves", "val_bpb", "depth", "confidence", "router_load", "compute_dial", "mod_skip_depth")
@@ -537,7 +537,7 @@ def write_report(run_dirs: list, out_dir: str, title: Optional[str] = None, desc
             f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{CSS}</style></head>'
             f'<body>\n' + "\n".join(parts) + "\n</body></html>\n")
     path = os.path.join(out_dir, REPORT_HTML)
-    write_atomic(path, page)  # a fresh temporary, renamed (nagmoe.safe_files): a shared --out dir's planted names
+    write_atomic(path, page)  # a fresh temporary, renamed (nagmoe.base.files): a shared --out dir's planted names
     data = {"title": title, "html": path, "problems": problems, "unigram_bpb": unigram, "sections": list(SECTIONS),
             "figures": {k: os.path.relpath(v, out_dir) for k, v in made.items() if v},
             "pairs": [p.__dict__ for p in pairs], "groups": nums,

@@ -12,8 +12,8 @@ import math
 import os
 from typing import Any, Optional
 
-from nagmoe.errors import UserError, shown
-from nagmoe.read_files import expect_object, read_json
+from nagmoe.base.errors import UserError, shown
+from nagmoe.base.files import expect_object, read_json
 
 NUM = "number"
 NUM_OR_NULL = (NUM, None)

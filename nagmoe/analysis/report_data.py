@@ -23,8 +23,8 @@ from typing import Callable, Optional
 
 from nagmoe.analysis.report_cache import read_cache
 from nagmoe.config import to_dict
-from nagmoe.errors import UserError, one_line
-from nagmoe.safe_files import atomic_writer
+from nagmoe.base.errors import UserError, one_line
+from nagmoe.base.files import atomic_writer
 from nagmoe.rundir.metrics import plain_json
 
 PROBLEM_CHARS = 600  # one problem line of the report, at most
@@ -218,7 +218,7 @@ def measure_checkpoint(record: RunRecord, out_dir: str, analysis_tokens: int, ev
             except Exception as e:
                 problems.append(f"{one_line(record.run_dir, 500)}: eval failed ({problem_text(e)})")
     os.makedirs(os.path.dirname(cache_path), exist_ok=True)
-    with atomic_writer(cache_path) as f:  # a fresh temporary, renamed (nagmoe.safe_files)
+    with atomic_writer(cache_path) as f:  # a fresh temporary, renamed (nagmoe.base.files)
         json.dump({"run_dir": record.run_dir, "checkpoint": record.checkpoint,
                    "analysis_tokens": analysis_tokens, "analysis": record.analysis,
                    "eval_items": eval_items, "eval": record.eval}, f)

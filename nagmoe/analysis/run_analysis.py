@@ -31,7 +31,7 @@ from nagmoe.analysis.capture import attention_inputs_tap, decode_state, gate_mod
 from nagmoe.analysis.compute_dial import DIAL_RATES, NOT_AVAILABLE, mod_section, run_dial
 from nagmoe.analysis.confidence import TokenRecords, confidence_report, entropy_from_logits
 from nagmoe.analysis.depth import GainAccumulator, StatsAverager, depth_report, realised_gain
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.eval.core import LOGIT_BUDGET, inference_context
 from nagmoe.model.router_health import RouterTelemetry
 

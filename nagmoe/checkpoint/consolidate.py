@@ -24,9 +24,9 @@ from nagmoe.checkpoint.reader import load_model_weights
 from nagmoe.checkpoint.resume import latest_valid_checkpoint
 from nagmoe.checkpoint.run_dir import CONFIG_FILE, read_saved_config
 from nagmoe.config import Config, config_from_dict, to_dict
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.model import build_model
-from nagmoe.safe_files import atomic_writer
+from nagmoe.base.files import atomic_writer
 
 CONSOLIDATED = "consolidated.pt"
 FORMAT = "nagmoe-consolidated"
@@ -55,7 +55,7 @@ def consolidate_run(run_dir: str, checkpoint: Optional[str] = None, out: Optiona
                "step": int(extra["step"]), "progress": extra.get("progress", {}),
                "checkpoint": os.path.abspath(checkpoint)}
     out = out or os.path.join(run_dir, CONSOLIDATED)
-    with atomic_writer(out, binary=True, durable=True) as f:  # a fresh temporary, renamed (nagmoe.safe_files)
+    with atomic_writer(out, binary=True, durable=True) as f:  # a fresh temporary, renamed (nagmoe.base.files)
         torch.save(payload, f)
     return out
 

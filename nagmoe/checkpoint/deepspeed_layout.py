@@ -19,9 +19,8 @@ import torch
 
 from nagmoe.checkpoint.files import read_checkpoint_state, verify_checkpoint
 from nagmoe.checkpoint.safe_dcp import weights_only_load
-from nagmoe.errors import UserError, shown
-from nagmoe.read_files import expect
-from nagmoe.safe_files import atomic_writer
+from nagmoe.base.errors import UserError, shown
+from nagmoe.base.files import atomic_writer, expect
 
 FORMAT = "deepspeed-1"  # state.json "format" of a DeepSpeed checkpoint (the torch engine refuses it)
 OWN_FILE = "own_rank_{rank:05d}.pt"  # the parameters DeepSpeed does not manage, one file per rank
@@ -47,7 +46,7 @@ def load_deepspeed_file(path: str, map_location=None) -> dict:
 
 def write_own_state(directory: str, rank: int, params: dict, expert_names: list, optim_state) -> None:
     """Rank `rank`'s own parameters (name -> tensor) and their optimizer state dict (or None), through the safe
-    writer (nagmoe.safe_files; the publish fsyncs it while hashing)."""
+    writer (nagmoe.base.files; the publish fsyncs it while hashing)."""
     with atomic_writer(os.path.join(directory, OWN_FILE.format(rank=rank)), binary=True) as f:
         torch.save({"params": {n: p.detach().cpu() for n, p in params.items()}, "expert_names": list(expert_names),
                     "optim": optim_state}, f)

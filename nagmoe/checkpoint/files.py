@@ -18,10 +18,9 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from nagmoe.errors import UserError, shown
-from nagmoe.read_files import expect, expect_object, loads_json, read_json, read_text
+from nagmoe.base.errors import UserError, shown
+from nagmoe.base.files import expect, expect_object, loads_json, read_json, read_text, write_atomic
 from nagmoe.rundir.names import CHECKPOINTS
-from nagmoe.safe_files import write_atomic
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
@@ -35,7 +34,7 @@ def checkpoint_name(step: int) -> str:
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Durably, through the safe writer (nagmoe.safe_files): a fresh temporary, fsynced, renamed."""
+    """Durably, through the safe writer (nagmoe.base.files): a fresh temporary, fsynced, renamed."""
     text = json.dumps(obj, indent=1, allow_nan=False)  # a ValueError before anything is created
     write_atomic(path, text, durable=True)
 

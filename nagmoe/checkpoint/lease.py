@@ -35,12 +35,10 @@ import time
 import uuid
 from typing import Optional
 
-from nagmoe.errors import UserError, shown
-from nagmoe.job_environment import slurm_restart_count
-from nagmoe.read_files import expect, expect_object, loads_json, read_text
+from nagmoe.base.errors import UserError, shown
+from nagmoe.base.environment import lease_intervals, slurm_restart_count
+from nagmoe.base.files import expect, expect_object, loads_json, read_text, write_atomic
 from nagmoe.rundir.names import LEASE_FILE
-from nagmoe.safe_files import write_atomic
-from nagmoe.settings import lease_intervals
 
 # the fields a lease must have, and their types
 FIELDS = {"host": str, "pid": int, "token": str, "refreshed": (int, float)}
@@ -50,7 +48,7 @@ log = logging.getLogger("nagmoe.checkpoint")
 
 
 def _invalid(holder, where: str) -> Optional[str]:
-    """Why `holder` (parsed JSON) is not a lease, or None: the project's typed-field check (nagmoe.read_files:
+    """Why `holder` (parsed JSON) is not a lease, or None: the project's typed-field check (nagmoe.base.files:
     bool is not a number, a time must be finite — a NaN `refreshed` would never go stale)."""
     try:
         expect_object(holder, where)
@@ -164,7 +162,7 @@ class RunDirLease:
         self._thread.start()
         return self
 
-    def _write(self) -> None:  # a fresh temporary, renamed (nagmoe.safe_files): never a planted name
+    def _write(self) -> None:  # a fresh temporary, renamed (nagmoe.base.files): never a planted name
         write_atomic(self.path, json.dumps({**self.me, "refreshed": time.time()}))
 
     def _taken_by(self) -> Optional[dict]:

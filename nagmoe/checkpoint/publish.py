@@ -17,8 +17,8 @@ import shutil
 
 from nagmoe.checkpoint.files import (CHECKPOINTS, MANIFEST, STATE, checkpoint_name, describe_files,
                                      is_valid_checkpoint, list_checkpoints, read_checkpoint_state, write_json)
-from nagmoe.errors import UserError
-from nagmoe.safe_files import fsync_dir, make_temp_dir
+from nagmoe.base.errors import UserError
+from nagmoe.base.files import fsync_dir, make_temp_dir
 
 TMP_MARK = ".tmp-"  # step_N.tmp-<tag>: files.TMP_DIR
 

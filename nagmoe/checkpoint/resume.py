@@ -8,9 +8,9 @@ from typing import Optional
 from nagmoe.checkpoint.files import (CHECKPOINTS, is_valid_checkpoint, list_checkpoints, read_checkpoint_state,
                                      unfinished_writes, verify_checkpoint)
 from nagmoe.checkpoint.publish import fresh_tag, remove_dir
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.rundir.names import HISTORY_FILES
-from nagmoe.safe_files import fsync_dir
+from nagmoe.base.files import fsync_dir
 
 # What a run dir holds once a run has started: finding any of it with no valid checkpoint means a run would
 # be started over on top of another one's history.

@@ -11,10 +11,9 @@ import sys
 import time
 
 from nagmoe.config import RESUMABLE_KEYS, Config, config_from_dict, dump_yaml, missing_legacy_keys, set_key, to_dict
-from nagmoe.errors import UserError, shown
-from nagmoe.read_files import NUMBER, expect, expect_object, read_json
+from nagmoe.base.errors import UserError, shown
+from nagmoe.base.files import NUMBER, expect, expect_object, read_json, write_atomic
 from nagmoe.rundir.names import CONFIG_FILE, RUN_INFO_FILE, SUMMARY_FILE
-from nagmoe.safe_files import write_atomic
 from nagmoe.schema import RESUMABLE_LAYOUT_KEYS
 
 
@@ -107,7 +106,7 @@ def git_commit() -> str:
 
 def _replace_json(path: str, obj) -> None:
     """Write `obj` beside `path` and move it over: a reader sees the old file or the new one, never half; through
-    a fresh temporary (nagmoe.safe_files), so a name planted in a shared run dir is never written through."""
+    a fresh temporary (nagmoe.base.files), so a name planted in a shared run dir is never written through."""
     write_atomic(path, json.dumps(obj, indent=1), durable=True)
 
 

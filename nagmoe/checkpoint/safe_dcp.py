@@ -44,7 +44,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from nagmoe.errors import UserError, shown
+from nagmoe.base.errors import UserError, shown
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _METADATA_CLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",

@@ -48,7 +48,7 @@ from nagmoe.checkpoint.files import extra_with_step, hash_threads, read_checkpoi
 from nagmoe.checkpoint.publish import already_saved, new_save_dir, publish, save_paths
 from nagmoe.checkpoint.rng import capture_rng_state, restore_rank_rng
 from nagmoe.checkpoint.safe_dcp import safe_dcp_load
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 FORMAT = 1  # state.json "format" of a torch-engine checkpoint
 SAVE_FILES_PER_RANK = 4

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 
 def add_arguments(p):
@@ -29,7 +29,7 @@ def _fmt(x, spec=".3f"):
 def run(args) -> int:
     from nagmoe.analysis.run_analysis import analyze_run
     from nagmoe.commands.eval import resolve_device
-    from nagmoe.safe_files import atomic_writer
+    from nagmoe.base.files import atomic_writer
     from nagmoe.rundir.metrics import plain_json
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
@@ -41,7 +41,7 @@ def run(args) -> int:
         from nagmoe.analysis.run_analysis import analyze_milestones
 
         result["through_training"] = analyze_milestones(args.run_dir, device, args.tokens, args.batch_rows)
-    with atomic_writer(args.out) as f:  # nagmoe.safe_files: a half-written or linked-through --out never happens
+    with atomic_writer(args.out) as f:  # nagmoe.base.files: a half-written or linked-through --out never happens
         json.dump(plain_json(result), f, indent=2)
     depth, sink = result["depth"], result["attention_sink"]
     print(f"{result['residual']} run, {result['tokens']} tokens: val loss {_fmt(result['val_loss'], '.4f')}, "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-from nagmoe.errors import UserError, shown
+from nagmoe.base.errors import UserError, shown
 from nagmoe.eval.task_specs import DECISIONS, OFFLINE_TASK, resolve_device, resolve_tasks  # noqa: F401  (old home)
 
 
@@ -89,9 +89,9 @@ def run(args) -> int:
           f"{results['core_metric']:.4f}")
     if args.out:
         out = {"run_dir": os.path.abspath(args.run_dir), "checkpoint": run_.checkpoint, **results}
-        from nagmoe.safe_files import atomic_writer
+        from nagmoe.base.files import atomic_writer
 
-        with atomic_writer(args.out) as f:  # nagmoe.safe_files: never half-written, never through a planted link
+        with atomic_writer(args.out) as f:  # nagmoe.base.files: never half-written, never through a planted link
             json.dump(out, f, indent=2)
     return 0
 
@@ -126,7 +126,7 @@ def run_lm_eval(args) -> int:
         values = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
         print(f"{name}: {values}")
     if args.out:
-        from nagmoe.safe_files import atomic_writer
+        from nagmoe.base.files import atomic_writer
 
         with atomic_writer(args.out) as f:
             json.dump({"run_dir": os.path.abspath(args.run_dir), "checkpoint": model.run.checkpoint,

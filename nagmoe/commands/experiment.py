@@ -9,8 +9,8 @@ apply to every run. Exit status 1 when a local run failed (the report still show
 """
 from __future__ import annotations
 
-from nagmoe.errors import UserError
-from nagmoe.settings import check_start_settings
+from nagmoe.base.errors import UserError
+from nagmoe.base.environment import check_start_settings
 from nagmoe.run_permissions import add_accept_config_change, refuse_force
 
 

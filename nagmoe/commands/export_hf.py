@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from nagmoe.errors import UserError, one_line
+from nagmoe.base.errors import UserError, one_line
 
 
 def add_arguments(p):

@@ -4,7 +4,7 @@ each, and the skip rate that would give the paper's x1.218 in each."""
 import json
 
 from nagmoe.commands.common import add_config_arguments, config_from_args
-from nagmoe.errors import UserError, shown
+from nagmoe.base.errors import UserError, shown
 
 
 def add_arguments(p):

@@ -5,7 +5,7 @@ thresholds; `--skip-rate` picks thresholds for another rate from its score histo
 and the realised skip rate is reported on stderr."""
 from __future__ import annotations
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 
 def add_arguments(p):

@@ -13,9 +13,9 @@ import os
 import sys
 
 from nagmoe.commands.common import add_config_arguments, config_from_args
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.rundir.names import PREFLIGHT_DIR, SLURM_DIR, SUMMARY_FILE
-from nagmoe.settings import check_start_settings
+from nagmoe.base.environment import check_start_settings
 from nagmoe.run_permissions import add_accept_config_change, refuse_force
 
 

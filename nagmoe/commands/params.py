@@ -5,7 +5,7 @@ import json
 
 from nagmoe.commands.common import add_config_arguments, config_from_args
 from nagmoe.config import dump_yaml
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 
 def add_arguments(p):

@@ -17,7 +17,7 @@ def add_arguments(p):
 def run(args) -> int:
     from nagmoe.commands.common import launched_process_group
     from nagmoe.config import load_config
-    from nagmoe.errors import UserError
+    from nagmoe.base.errors import UserError
     from nagmoe.train.preflight import format_verdict, run_preflight
 
     if args.steps < 1:

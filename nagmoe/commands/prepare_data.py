@@ -23,7 +23,7 @@ import os
 import sys
 
 from nagmoe.commands.common import add_config_arguments, config_from_args
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 
 def add_arguments(p):
@@ -47,7 +47,7 @@ def add_arguments(p):
 
 def _slurm_array_index() -> int | None:
     """This array task's slice, SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN (None outside an array job)."""
-    from nagmoe.job_environment import array_task_index
+    from nagmoe.base.environment import array_task_index
 
     return array_task_index()
 

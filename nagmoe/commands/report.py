@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 
 def add_arguments(p):

@@ -9,7 +9,7 @@ Distributed: under torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or one srun task per ra
 import os
 
 from nagmoe.commands.common import add_config_arguments, config_from_args, launched_process_group
-from nagmoe.settings import check_start_settings
+from nagmoe.base.environment import check_start_settings
 from nagmoe.run_permissions import add_train_permissions, check_config_sha256, refuse_force
 
 

@@ -16,7 +16,7 @@ against the installed torch's `AutocastCUDA` registrations and against real CUDA
 """
 from __future__ import annotations
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 LOWER, FP32, FP32_OPT, FP32_APP, PROMOTE, BANNED = "lower", "fp32", "fp32_opt_dtype", "fp32_append_dtype", \
     "promote", "banned"

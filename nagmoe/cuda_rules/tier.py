@@ -26,7 +26,7 @@ import torch
 
 from nagmoe.cuda_rules.table import (APPEND_DTYPE_OVERLOAD, BANNED, FP32, FP32_APP, FP32_OPT, LOWER, PROMOTE,
                                      rules_for, version_key)
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 ENV_VAR = "NAGMOE_CUDA_RULES"  # a torch version ("2.11"): the Trainer and tools run under CPU bf16 + these rules
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)

@@ -16,7 +16,7 @@ import torch
 
 from nagmoe.data import shards
 from nagmoe.data.tokenizer import read_tokenizer_bytes, token_byte_lengths, tokenizer_from_bytes
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 
 def token_bytes(data_dir: str) -> torch.Tensor:

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 # file suffix -> `datasets` packaged builder
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}

@@ -34,7 +34,7 @@ import torch
 
 from nagmoe.data import shards
 from nagmoe.data.bpb import bits_per_byte, bpb_sums, token_bytes, unigram_bpb  # noqa: F401  (re-exported)
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 
 def check_data_vocab(data_dir: str, vocab_size: int) -> None:

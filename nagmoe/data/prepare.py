@@ -31,8 +31,8 @@ from nagmoe.data import shards
 from nagmoe.data.corpus import Corpus, check_slicing, is_val_document, iter_documents, resolve_corpus
 from nagmoe.data.tokenizer import (bos_id, check_vocab, encode_documents, file_sha256, load_tokenizer,
                                    save_tokenizer, token_dtype, train_bpe)
-from nagmoe.errors import UserError
-from nagmoe.safe_files import make_temp_dir
+from nagmoe.base.errors import UserError
+from nagmoe.base.files import make_temp_dir
 
 STAGE = "parts"
 TOKENIZER_CHARS = 2_000_000_000  # BPE training reads at most this many characters of train documents

@@ -18,7 +18,7 @@ index.json: {"format", "vocab_size", "dtype", "bos_id", "tokenizer": "tokenizer.
 "corpus", "documents", "val_fraction", "totals": {split: {"n_tokens", "n_documents", "n_shards"}},
 "shards": [{"file", "split", "dtype", "n_tokens", "n_documents", "sha256"}, ...]} (shards in stream order).
 
-Crash safety: every file is written under a fresh temporary name and renamed (nagmoe.safe_files; committed
+Crash safety: every file is written under a fresh temporary name and renamed (nagmoe.base.files; committed
 shards are hard links to the staged ones until index.json is written, so a failed commit can be re-run); shard
 names carry the first 12 hex digits of their sha256, so committing new shards never overwrites a shard the old
 index.json refers to (unless its content is identical); index.json is replaced last; only then are shards no index
@@ -44,8 +44,8 @@ from typing import Optional
 import numpy as np
 
 from nagmoe.data.tokenizer import read_tokenizer_bytes, token_dtype
-from nagmoe.errors import UserError
-from nagmoe.safe_files import create_fresh, atomic_writer, temp_name, write_atomic
+from nagmoe.base.errors import UserError
+from nagmoe.base.files import create_fresh, atomic_writer, temp_name, write_atomic
 
 FORMAT = "nagmoe-tokens-v1"
 SPLITS = ("train", "val")
@@ -169,7 +169,7 @@ class ShardWriter:
         self._file = None
 
     def _open(self):
-        # a fresh O_EXCL|O_NOFOLLOW temporary (nagmoe.safe_files): the name is known only once the hash is
+        # a fresh O_EXCL|O_NOFOLLOW temporary (nagmoe.base.files): the name is known only once the hash is
         self._file, self._tmp = _fresh_file(os.path.join(self.out_dir, f"{self.split}-{len(self.records):05d}.bin"))
         self._sha = hashlib.sha256()
         self._in_shard = 0

@@ -14,8 +14,8 @@ from typing import Iterable
 
 import numpy as np
 
-from nagmoe.errors import UserError, shown
-from nagmoe.safe_files import write_atomic
+from nagmoe.base.errors import UserError, shown
+from nagmoe.base.files import write_atomic
 
 BOS = "<|bos|>"
 BOS_CANDIDATES = (BOS, "<|endoftext|>", "<|begin_of_text|>", "<s>", "<bos>")
@@ -91,7 +91,7 @@ def tokenizer_from_bytes(data: bytes, path: str):
 
 
 def save_tokenizer(tok, path: str) -> None:
-    """Atomic and through a fresh temporary (nagmoe.safe_files): the bytes `tok.save(path)` writes."""
+    """Atomic and through a fresh temporary (nagmoe.base.files): the bytes `tok.save(path)` writes."""
     write_atomic(path, tok.to_str(pretty=True), durable=True)
 
 

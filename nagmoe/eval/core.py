@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.eval.tasks import LANGUAGE_MODELING, MULTIPLE_CHOICE, SHUFFLE_SEED, Task, centred_accuracy, render_prompts
 
 # rows x positions x vocabulary of fp32 logits held at once (~1 GiB)

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 
 class LoadedRun(NamedTuple):

@@ -26,7 +26,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval import utils as lm_utils
 
-from nagmoe.errors import UserError, shown
+from nagmoe.base.errors import UserError, shown
 
 # model_args `nagmoe eval --model-args` passes on (run_dir, batch_size and device are its own options)
 MODEL_ARGS = ("add_bos_token", "max_length", "checkpoint")

@@ -22,7 +22,7 @@ import re
 import yaml
 
 from nagmoe.eval.tasks import LANGUAGE_MODELING, MULTIPLE_CHOICE, SCHEMA, Task, fewshot_prefix
-from nagmoe.safe_files import write_atomic
+from nagmoe.base.files import write_atomic
 
 PREFIX = "nagmoe_"
 

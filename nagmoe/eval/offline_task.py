@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from typing import Iterable, Optional
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.eval.tasks import MULTIPLE_CHOICE, Task
 
 LABEL = "shakespeare_next_line"

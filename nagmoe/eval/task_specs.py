@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 OFFLINE_TASK = "shakespeare"
 # an option's score: its mean token loss (nanochat's CORE) or its summed loss (lm-eval's acc)

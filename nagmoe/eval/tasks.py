@@ -43,7 +43,7 @@ from typing import Optional
 
 import yaml
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 MULTIPLE_CHOICE, SCHEMA, LANGUAGE_MODELING = "multiple_choice", "schema", "language_modeling"
 TASK_TYPES = (MULTIPLE_CHOICE, SCHEMA, LANGUAGE_MODELING)

@@ -15,9 +15,9 @@ import shutil
 import subprocess
 import time
 
-from nagmoe.errors import UserError, shown, warn
+from nagmoe.base.errors import UserError, shown, warn
 from nagmoe.rundir.names import JOBS_FILE, SLURM_DIR
-from nagmoe.safe_files import open_append, write_atomic
+from nagmoe.base.files import open_append, write_atomic
 
 
 def config_sha256(config_yaml: str) -> str:

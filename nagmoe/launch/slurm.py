@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import nagmoe
-from nagmoe.errors import UserError
-from nagmoe.safe_files import write_atomic
+from nagmoe.base.errors import UserError
+from nagmoe.base.files import write_atomic
 from nagmoe.rundir.names import CHECKPOINTS, CONFIG_FILE, MARKER_FILE, PREFLIGHT_DIR, REQUEST_FILE, SLURM_DIR
 
 TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(nagmoe.__file__))), "launch")
@@ -313,7 +313,7 @@ def check_resume_config(run_dir: str, config_yaml: str, accept_config_change: bo
 
 
 def write_script(path: str, text: str) -> None:
-    """A job script through the safe writer (nagmoe/safe_files.py). Created 0o777 minus the umask (0755, or 0750
+    """A job script through the safe writer (nagmoe/base/files.py). Created 0o777 minus the umask (0755, or 0750
     under umask 027): executable from its creation, so no chmod of a path that a planted link could redirect
     (sbatch itself needs no execute bit)."""
     write_atomic(path, text, durable=True, mode=0o777)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.model.common import init_linear_uniform, recording, rms_norm
 from nagmoe.model.init_rng import ParamInit
 from nagmoe.ops.position_attention import chunked_attention_available, chunked_position_attention

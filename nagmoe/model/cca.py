@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.flops import attention_heads
 from nagmoe.model.attention import (AttentionCache, apply_rope, attention_at_positions, causal_attention,
                                     executed_queries, resolve_attention_impl, rope_tables, rotary_dims)

@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.model.mod import ExecutedTokens
 
 EXECUTE_ALL = -1.0  # a threshold below every score (r >= 0)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nagmoe.config import MoEConfig
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.model.init_rng import ParamInit
 from nagmoe.model.roles import MATRIX, ROUTER
 from nagmoe.ops.grouped_experts import EXPERT_FORWARD, expert_compute_dtype, expert_path, resolve_expert_backend

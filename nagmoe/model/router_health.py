@@ -185,7 +185,7 @@ def saved_bias_signs(state: dict, model, where: str) -> Optional[torch.Tensor]:
     trainer so a resumed run's flip share continues the straight run's), checked against `model`'s biases: None
     when absent (a checkpoint from before the statistic: the first update after it compares nothing) or when
     the model has no bias. Anything but an L x E table of -1/0/1 is a one-line UserError naming `where`."""
-    from nagmoe.errors import UserError, shown
+    from nagmoe.base.errors import UserError, shown
 
     value, bias_LE = state.get("expert_bias_signs"), expert_biases(model)
     if value is None or bias_LE is None:

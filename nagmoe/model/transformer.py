@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.model.attention import AttentionCache, build_attention
 from nagmoe.model.init_rng import ParamInit, init_model
 from nagmoe.model.mlp import DenseMLP

@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.ops.activations import relu_squared
 from nagmoe.ops.registry import Registry
 

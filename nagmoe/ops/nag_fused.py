@@ -39,7 +39,7 @@ import warnings
 
 import torch
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.nag_math import modulator as eager_modulator, nag_update as eager_nag_update
 from nagmoe.ops.registry import Registry
 

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from nagmoe.settings import dist_train_timeout_setting
+from nagmoe.base.environment import dist_train_timeout_setting
 
 STEP_MULTIPLE = 10.0  # the train timeout is at least this many median steps (slow CPU steps, imbalanced ranks)
 # gloo's message for a collective past its timeout (gloo/transport/tcp/unbound_buffer.cc), torch 2.x

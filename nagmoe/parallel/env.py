@@ -23,8 +23,8 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from nagmoe.errors import UserError
-from nagmoe.settings import DEFAULT_DIST_TIMEOUT_S, DIST_TIMEOUT_ENV, dist_timeout_setting
+from nagmoe.base.errors import UserError
+from nagmoe.base.environment import DEFAULT_DIST_TIMEOUT_S, DIST_TIMEOUT_ENV, dist_timeout_setting
 
 DEFAULT_PORT = 29500
 TIMEOUT_ENV = DIST_TIMEOUT_ENV  # process-group timeout (rendezvous and collectives), seconds, at most 7 days

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from nagmoe.config import Config, ConfigError
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 ZERO_STAGES = (0, 1, 2, 3)
 DEEPSPEED_ZERO_STAGES = (1, 2)

@@ -4,7 +4,7 @@ Values are made strict JSON: tensors and numpy scalars become Python numbers, an
 (NaN/inf) become null, so any JSON reader (jq, pandas, browsers) can read the file. On resume the trainer
 calls `truncate_metrics(path, checkpoint_step)` so that each step appears exactly once.
 
-The file is appended in place, so it is opened through `nagmoe.safe_files.open_append`: a symlink or a hard link
+The file is appended in place, so it is opened through `nagmoe.base.files.open_append`: a symlink or a hard link
 planted at RUN_DIR/metrics.jsonl is refused (exit 2 naming it) and the file it points to is never written; the
 resume's rewrite refuses the same names and goes through a fresh temporary.
 """
@@ -18,10 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from nagmoe.errors import UserError, shown
-from nagmoe.read_files import NUMBER, expect, expect_object, loads_json
+from nagmoe.base.errors import UserError, shown
+from nagmoe.base.files import NUMBER, atomic_writer, expect, expect_object, loads_json, open_append
 from nagmoe.rundir.names import METRICS_FILE
-from nagmoe.safe_files import atomic_writer, open_append
 
 
 

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 from nagmoe.checkpoint.files import CHECKPOINTS, list_checkpoints
 from nagmoe.checkpoint.publish import remove_leftovers
-from nagmoe.errors import UserError, warn
+from nagmoe.base.errors import UserError, warn
 
 DISK_MARGIN = 1.1  # free space needed: the newest checkpoint's size times this
 

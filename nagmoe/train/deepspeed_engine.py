@@ -50,7 +50,7 @@ from nagmoe.checkpoint.deepspeed_layout import (FORMAT, check_deepspeed_state, l
 from nagmoe.checkpoint.files import extra_with_step, verify_checkpoint
 from nagmoe.checkpoint.publish import already_saved, new_save_dir, publish, save_paths
 from nagmoe.checkpoint.rng import capture_rng_state, restore_rng_state
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.model.roles import ROLES, param_roles
 from nagmoe.parallel.grad_sync import named_params, sync_expert_grads
 from nagmoe.parallel.mesh import ParallelMesh

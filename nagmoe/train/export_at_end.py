@@ -9,7 +9,7 @@ import secrets
 import shutil
 import sys
 
-from nagmoe.errors import one_line
+from nagmoe.base.errors import one_line
 from nagmoe.rundir.names import EXPORT_DIR
 
 

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 EXIT_NONFINITE = 3  # the run stopped before a non-finite update; weights and checkpoints are intact
 EXIT_GATE_COLLAPSE = 4  # stopped on purpose by the gate-collapse alarm (train.gate_collapse_stop)
@@ -161,8 +161,8 @@ FAIL_AT_STEP_ENV = "NAGMOE_TEST_FAIL_AT_STEP"
 def fail_at_step_for_a_test(step: int) -> None:
     """Test hook (tests/slurm/test_multihost.py): with NAGMOE_TEST_FAIL_AT_STEP=N, every rank raises a UserError
     (exit 2) after step N: a deterministic failure, as a config or data error found mid-run would be. Acts only
-    under NAGMOE_TEST_HOOKS=1 (nagmoe.job_environment.hook_setting)."""
-    from nagmoe.job_environment import hook_setting
+    under NAGMOE_TEST_HOOKS=1 (nagmoe.base.environment.hook_setting)."""
+    from nagmoe.base.environment import hook_setting
 
     at = hook_setting(FAIL_AT_STEP_ENV)
     if at and at.isdigit() and step == int(at):

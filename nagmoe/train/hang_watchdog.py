@@ -41,10 +41,10 @@ import traceback
 from contextlib import contextmanager
 from typing import Callable, Optional
 
-from nagmoe.errors import shown
+from nagmoe.base.errors import shown
 from nagmoe.parallel.collective_timeouts import NoCollectives, collective_timeouts, is_collective_timeout
-from nagmoe.settings import DEFAULT_HANG_LONG_PHASE_S as LONG_PHASE_S, DEFAULT_HANG_TERM_GRACE_S as TERM_GRACE_S
-from nagmoe.settings import hang_allowances
+from nagmoe.base.environment import (DEFAULT_HANG_LONG_PHASE_S as LONG_PHASE_S,
+    DEFAULT_HANG_TERM_GRACE_S as TERM_GRACE_S, hang_allowances)
 from nagmoe.train.guards import TrainingHalted
 
 EXIT_HUNG = 76  # EX_PROTOCOL (sysexits.h): a peer or the file system stopped answering; a restart may cure it
@@ -207,7 +207,7 @@ def collective_timeout_halt(exc: BaseException, rank: int, host: str, step: int,
 
 def start_watchdog(rank: int, timeout_s: Optional[float], step: int, environ=None):
     """The trainer's watchdog for `train.hang_timeout_s` (0: off, not started), its allowances from NAGMOE_HANG_LONG_PHASE_S
-    and NAGMOE_HANG_TERM_GRACE_S (nagmoe.settings), started, with the collectives' timeouts
+    and NAGMOE_HANG_TERM_GRACE_S (nagmoe.base.environment), started, with the collectives' timeouts
     (nagmoe.parallel.collective_timeouts) following the same first step and long phases."""
     long_phase_s, term_grace_s = hang_allowances(environ)
     watchdog = ProgressWatchdog(rank, timeout_s, long_phase_s, term_grace_s, first_step=step,

@@ -25,11 +25,10 @@ import threading
 import time
 from typing import Callable, NoReturn, Optional
 
-from nagmoe.errors import shown
-from nagmoe.job_environment import hook_setting, launched_by_torchrun, slurm_restart_count
-from nagmoe.read_files import expect, expect_object, read_json
+from nagmoe.base.errors import shown
+from nagmoe.base.environment import hook_setting, launched_by_torchrun, slurm_restart_count
+from nagmoe.base.files import atomic_writer, expect, expect_object, read_json, write_atomic
 from nagmoe.rundir.names import MARKER_FILE, REQUEST_FILE
-from nagmoe.safe_files import atomic_writer, write_atomic
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): stopped on purpose with a checkpoint; run again to continue
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -112,7 +111,7 @@ def _marker_delayed_for_a_test() -> bool:
     """Test hook (tests/slurm): with NAGMOE_TEST_MARKER_DELAY_S set, the marker is not written before this
     process exits, as when it is written on another node and the batch script's NFS client does not see it
     yet, or when the save outlasts the signal window. The batch script must requeue regardless. Acts only
-    under NAGMOE_TEST_HOOKS=1 (nagmoe.job_environment.hook_setting)."""
+    under NAGMOE_TEST_HOOKS=1 (nagmoe.base.environment.hook_setting)."""
     return bool(hook_setting(MARKER_DELAY_ENV))
 
 

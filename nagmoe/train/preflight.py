@@ -23,7 +23,7 @@ import torch
 from nagmoe.config import load_config, set_key
 from nagmoe.flops import mfu
 from nagmoe.rundir.names import CONFIG_FILE, METRICS_FILE, PREFLIGHT_RUN_DIR, SLURM_DIR, SUMMARY_FILE
-from nagmoe.safe_files import atomic_writer
+from nagmoe.base.files import atomic_writer
 
 PROBE_BYTES = {"cuda": 256 * 2 ** 20, "cpu": 8 * 2 ** 20}
 
@@ -120,7 +120,7 @@ def run_preflight(directory: str, steps: int = 3, gpu_memory_gb: Optional[float]
     }
     summary["checks"] = _checks(summary, records)
     summary["verdict"] = "PASS" if all(c["ok"] for c in summary["checks"]) else "FAIL"
-    with atomic_writer(os.path.join(directory, SUMMARY_FILE)) as f:  # nagmoe.safe_files
+    with atomic_writer(os.path.join(directory, SUMMARY_FILE)) as f:  # nagmoe.base.files
         json.dump(summary, f, indent=1)
     return summary
 

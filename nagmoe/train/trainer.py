@@ -31,7 +31,7 @@ from nagmoe.config import Config
 from nagmoe.data import shards
 from nagmoe.data.loader import TokenLoader, TokenShards, check_data_vocab, iter_eval_batches
 from nagmoe.data.bpb import bits_per_byte, bpb_sums, token_bytes
-from nagmoe.errors import UserError, warn
+from nagmoe.base.errors import UserError, warn
 from nagmoe.flops import flops_per_token
 from nagmoe.model import build_model
 from nagmoe.rundir.names import METRICS_FILE
@@ -46,8 +46,7 @@ from nagmoe.model.moe import GlobalBalance
 from nagmoe.model.router_health import moe_layers
 from nagmoe.train.mod_accounting import ModAccount
 from nagmoe.train.router_accounting import RouterAccounting
-from nagmoe.job_environment import describe_environment
-from nagmoe.settings import check_start_settings
+from nagmoe.base.environment import check_start_settings, describe_environment
 from nagmoe.train.export_at_end import check_available as check_export_available, export_at_end
 from nagmoe.train.wandb_id import ensure_wandb_id
 from nagmoe.train.wandb_mode import start_wandb, wandb_record

@@ -10,10 +10,9 @@ import re
 import secrets
 import string
 
-from nagmoe.errors import UserError, shown
-from nagmoe.read_files import read_text
+from nagmoe.base.errors import UserError, shown
+from nagmoe.base.files import read_text, write_atomic
 from nagmoe.rundir.names import WANDB_ID_FILE
-from nagmoe.safe_files import write_atomic
 
 ALPHABET = string.ascii_lowercase + string.digits
 ID_LENGTH = 16

@@ -60,8 +60,8 @@ def sync_hint(run_dir: str) -> str:
 def start_wandb(cfg, run_dir: str):
     """The run's wandb logger (rank 0 calls it), or None with `log.wandb: off`, or with `auto` where wandb is not
     installed (a warning); `offline`/`online` without wandb is a UserError naming the extra."""
-    from nagmoe.errors import UserError
-    from nagmoe.errors import warn
+    from nagmoe.base.errors import UserError
+    from nagmoe.base.errors import warn
 
     setting = cfg.log.wandb
     if setting == "off":

@@ -19,7 +19,7 @@ def test_torch_2_11_metadata_reads_under_the_allow_list():
 
 def test_a_tampered_2_11_metadata_is_refused_in_one_line(tmp_path):
     from nagmoe.checkpoint.safe_dcp import read_metadata_file
-    from nagmoe.errors import UserError
+    from nagmoe.base.errors import UserError
 
     data = open(FIXTURE, "rb").read()
     path = tmp_path / ".metadata"

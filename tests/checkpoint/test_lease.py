@@ -11,7 +11,7 @@ import time
 import pytest
 
 from nagmoe.checkpoint.lease import LEASE_FILE, RunDirLease, read_lease
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

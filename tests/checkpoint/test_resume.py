@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nagmoe.checkpoint import files, latest_valid_checkpoint, load_checkpoint, resume_checkpoint, save_checkpoint
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 
 def saved(run_dir, step, value=0.0):

@@ -9,7 +9,7 @@ import torch
 
 from nagmoe.cuda_rules.probe import sample_ops
 from nagmoe.cuda_rules.table import KNOWN_VERSIONS, VERSION_DELTAS, rules_for, version_key
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 INSTALLED = version_key(torch.__version__)
 # Ops whose sample cannot run on fake CUDA tensors here (no meta kernel for a CUDA-only kernel, or a fake-device

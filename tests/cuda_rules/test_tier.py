@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from nagmoe.cuda_rules.tier import CudaAutocastRules, cuda_rules_autocast, rules_from_env
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 
 def _relu2(x, w):

@@ -84,7 +84,7 @@ def test_compiled_trainer_under_cuda_rules(micro_config, tmp_path, cuda_rules, m
 
 
 def test_bad_rules_version_is_one_line_exit_2(micro_config, tmp_path, monkeypatch):
-    from nagmoe.errors import UserError
+    from nagmoe.base.errors import UserError
 
     monkeypatch.setenv("NAGMOE_CUDA_RULES", "1.0")
     with pytest.raises(UserError, match="NAGMOE_CUDA_RULES"):

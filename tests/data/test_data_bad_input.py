@@ -11,7 +11,7 @@ from nagmoe.data.corpus import resolve_corpus
 from nagmoe.data.loader import TokenLoader, iter_eval_batches
 from nagmoe.data.shards import read_index
 from nagmoe.data.tokenizer import file_sha256
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

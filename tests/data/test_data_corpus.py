@@ -2,7 +2,7 @@
 import pytest
 
 from nagmoe.data.corpus import (check_slicing, is_val_document, iter_documents, resolve_corpus, slice_range)
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 
 def test_shakespeare_is_one_document_per_scene():

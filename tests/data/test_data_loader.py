@@ -12,7 +12,7 @@ from nagmoe.data.corpus import is_val_document, iter_documents, resolve_corpus
 from nagmoe.data.loader import (TokenLoader, TokenShards, bpb_sums, check_data_vocab, iter_eval_batches,
                                 token_bytes, unigram_bpb)
 from nagmoe.data.shards import read_index
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 T = 64
 

@@ -11,7 +11,7 @@ import torch
 
 from nagmoe.data.loader import TokenLoader
 from nagmoe.data.shards import read_index
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 T = 64
 SEED = 5

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from nagmoe import cli
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 
 def run_command(name: str, argv: list) -> int:

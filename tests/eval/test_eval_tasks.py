@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nagmoe.config import AttentionConfig, ModelConfig
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.eval.core import common_prefix, evaluate_task, example_rows
 from nagmoe.eval.offline_task import build_next_line_task, is_text_line
 from nagmoe.eval.tasks import (Task, centred_accuracy, fewshot_examples, read_core_bundle, read_jsonl_task,

@@ -208,7 +208,7 @@ def test_a_failed_export_at_the_end_only_warns(exported_run, tmp_path, monkeypat
 def test_export_hf_at_end_without_transformers_is_refused_before_training(exported_run, tmp_path, monkeypatch):
     import sys
 
-    from nagmoe.errors import UserError
+    from nagmoe.base.errors import UserError
 
     run_dir, _ = exported_run
     copy = str(tmp_path / "run")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nagmoe.config import AttentionConfig
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.model.attention import (
     MultiHeadAttention, apply_rope, build_attention, resolve_attention_impl, rope_tables, rotary_dims)
 

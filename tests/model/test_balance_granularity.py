@@ -79,7 +79,7 @@ def test_a_mod_model_hands_the_moe_its_rows():
 
 def test_granularity_is_validated():
     from nagmoe.config import load_config
-    from nagmoe.errors import UserError
+    from nagmoe.base.errors import UserError
 
     with pytest.raises(UserError, match="lb_granularity"):
         load_config(None, ["model.moe.lb_granularity=global"])

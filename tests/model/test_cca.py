@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nagmoe.config import AttentionConfig
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.model.attention import AttentionCache, MultiHeadAttention, build_attention
 from nagmoe.model.cca import CCAttention, qk_mean
 from nagmoe.model.roles import CONV, MATRIX, SCALAR, param_roles

@@ -127,7 +127,7 @@ def test_gamma_zero_stays_collapsed():
 
 def test_the_bias_needs_a_moe_ffn_and_a_finite_rate(tmp_path):
     from nagmoe.config import load_config
-    from nagmoe.errors import UserError
+    from nagmoe.base.errors import UserError
 
     for bad, needle in ((["model.ffn=dense", "model.moe.expert_bias=true"], "model.moe.expert_bias"),
                         (["model.moe.bias_update_rate=-1"], "bias_update_rate"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nagmoe.config import MoDConfig
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.flops import flops_per_token
 from nagmoe.model import build_model
 from nagmoe.model.attention import attention_at_positions, causal_attention

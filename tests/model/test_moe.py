@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from nagmoe.config import MoEConfig
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.model.moe import MoELayer, load_balancing_loss
 from nagmoe.model.roles import param_roles
 from nagmoe.ops.grouped_experts import (

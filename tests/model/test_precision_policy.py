@@ -133,7 +133,7 @@ def test_the_chunked_loss_equals_the_full_loss_and_saves_no_full_logits(residual
 
 
 def test_an_unknown_policy_is_refused():
-    from nagmoe.errors import UserError
+    from nagmoe.base.errors import UserError
 
     with pytest.raises(UserError, match="train.precision"):
         model_for("nag", "fp8")

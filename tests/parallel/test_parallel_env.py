@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from nagmoe.config import ConfigError, load_config
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.parallel.env import DistEnv, expand_nodelist, read_dist_env
 from nagmoe.parallel.mesh import validate_parallel
 

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nagmoe.cuda_rules.contracts import KernelContracts
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.ops.nag_fused import NAGOps, resolve_nag_backend
 from nagmoe.train.sync_count import SyncCounter
 

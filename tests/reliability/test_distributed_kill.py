@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.parallel.env import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, dist_timeout_s
 from nagmoe.checkpoint import latest_valid_checkpoint
 from reliability_harness import (

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from crash_driver import FIRST_SAVE_POINTS, RESAVE_POINTS
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.checkpoint import MANIFEST, STATE, latest_valid_checkpoint, save_checkpoint
 from reliability_harness import (
     CRASH_DRIVER,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.checkpoint import latest_valid_checkpoint, load_checkpoint
 from nagmoe.checkpoint.safe_dcp import UnsafeCheckpoint, safe_dcp_load
 from payloads import rewrite_manifest

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from nagmoe.cli import main
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAVERSALS = ("../x.bin", "/abs/x.bin", "sub/x.bin")

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHON = sys.executable  # the stubs fixture renders with a stand-in in its place

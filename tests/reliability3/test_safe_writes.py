@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from nagmoe.cli import main
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VICTIM_TEXT = "# another user's file: nagmoe must never write it\n"  # YAML: nothing; JSON: invalid
@@ -376,7 +376,7 @@ def _file_objects(scope) -> set:
 
 
 def unsafe_writes(source: str) -> list:
-    """(line, what) of every file write in `source` that does not go through nagmoe/safe_files.py."""
+    """(line, what) of every file write in `source` that does not go through nagmoe/base/files.py."""
     tree = ast.parse(source)
     found = []
     scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
@@ -450,12 +450,12 @@ def test_no_module_writes_a_file_outside_the_safe_writer():
         for name in sorted(files):
             path = os.path.join(folder, name)
             rel = os.path.relpath(path, REPO)
-            if not name.endswith(".py") or rel == os.path.join("nagmoe", "safe_files.py"):
+            if not name.endswith(".py") or rel == os.path.join("nagmoe", "base", "files.py"):
                 continue
             with open(path) as f:
                 found += [f"{rel}:{line}: {what}" for line, what in unsafe_writes(f.read())
                           if (rel, what) not in ALLOWED]
-    assert not found, "writes outside nagmoe/safe_files.py:\n" + "\n".join(found)
+    assert not found, "writes outside nagmoe/base/files.py:\n" + "\n".join(found)
 
 
 # ----------------------------------------------------------------------------------------------------------

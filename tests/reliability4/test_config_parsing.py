@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from nagmoe.cli import main
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(REPO, "configs", "tiny.yaml")

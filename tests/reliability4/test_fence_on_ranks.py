@@ -19,7 +19,7 @@ def save_after_takeover(run_dir: str) -> dict:
 
     from nagmoe.checkpoint.lease import RunDirLease, fence_on_all_ranks
     from nagmoe.checkpoint.torch_layout import save_checkpoint
-    from nagmoe.errors import UserError
+    from nagmoe.base.errors import UserError
     from nagmoe.parallel.mesh import ParallelMesh
 
     rank = dist.get_rank()

@@ -96,7 +96,7 @@ def test_a_leaked_torchelastic_run_id_is_refused_at_start(monkeypatch, tmp_path,
 
 
 def test_the_preemption_exit_code_believes_only_a_whole_torchrun_environment(monkeypatch):
-    from nagmoe.errors import UserError
+    from nagmoe.base.errors import UserError
     from nagmoe.train.preemption import EXIT_PREEMPTED, preempted_exit_code
 
     for name in ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
@@ -124,7 +124,7 @@ def test_test_hooks_act_only_under_the_switch(monkeypatch):
 
 
 def test_the_environment_is_logged_through_an_allow_list():
-    from nagmoe.job_environment import describe_environment
+    from nagmoe.base.environment import describe_environment
 
     line = describe_environment({**LOGIN_SHELL, "NCCL_DEBUG": "INFO", "PYTHONPATH": "/x", "WANDB_API_KEY": "secret",
                                  "AWS_SECRET_ACCESS_KEY": "s3", "HOME": "/root", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})

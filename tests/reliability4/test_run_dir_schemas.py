@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from nagmoe.cli import main
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MAX_MESSAGE = 4000  # nagmoe.errors.MAX_MESSAGE: the longest error or warning line
+MAX_MESSAGE = 4000  # nagmoe.base.errors.MAX_MESSAGE: the longest error or warning line
 DEEP = "[" * 100_000  # RecursionError in json.loads on c9620be
 
 

@@ -64,7 +64,7 @@ def test_the_process_shows_no_traceback(tmp_path):
 
 def test_sub_second_and_boundary_values_are_accepted():
     from nagmoe.parallel.env import dist_timeout_s
-    from nagmoe.settings import lease_intervals
+    from nagmoe.base.environment import lease_intervals
 
     assert lease_intervals({"NAGMOE_LEASE_REFRESH_S": "0.05", "NAGMOE_LEASE_STALE_S": "0.15"}) == (0.05, 0.15)
     assert lease_intervals({}) == (5.0, 600.0)
@@ -76,7 +76,7 @@ def test_sub_second_and_boundary_values_are_accepted():
 def test_the_lease_refuses_the_intervals_before_it_starts_a_thread(clean_env, tmp_path):
     """The lease itself reads the bounded intervals (an API user's Trainer gets the same line)."""
     from nagmoe.checkpoint.lease import RunDirLease
-    from nagmoe.errors import UserError
+    from nagmoe.base.errors import UserError
 
     clean_env.setenv("NAGMOE_LEASE_REFRESH_S", "1e10")
     with pytest.raises(UserError, match="NAGMOE_LEASE_REFRESH_S"):
@@ -89,7 +89,7 @@ def test_a_capped_cpu_capability_compiles_into_an_inductor_cache_of_its_own(tmp_
     loaded by one capped at avx2 gave NaN in the fused NAG update (tests/gpu's CPU stand-in, under `make test`
     with ATEN_CPU_CAPABILITY=avx2 after a native run; a fresh cache passed). Each capped setting gets a directory
     of its own; uncapped processes and a cache the user chose are left alone."""
-    from nagmoe.settings import inductor_cache_per_cpu_isa
+    from nagmoe.base.environment import inductor_cache_per_cpu_isa
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile

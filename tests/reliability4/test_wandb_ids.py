@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.train.wandb_id import WANDB_ID_FILE, ensure_wandb_id, read_wandb_id
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nagmoe.config import TrainConfig
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.checkpoint import (
     MANIFEST,
     latest_valid_checkpoint,

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from nagmoe.checkpoint.files import list_checkpoints
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.train.trainer import Trainer
 
 

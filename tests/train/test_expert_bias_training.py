@@ -123,7 +123,7 @@ def test_the_flip_share_equals_a_hand_count_of_the_update_signs(micro_config):
 
 
 def test_malformed_saved_signs_are_one_line(micro_config):
-    from nagmoe.errors import UserError
+    from nagmoe.base.errors import UserError
     from nagmoe.model.router_health import saved_bias_signs
 
     t = trainer_for(micro_config)
@@ -138,7 +138,7 @@ def test_malformed_saved_signs_are_one_line(micro_config):
 
 
 def test_a_bias_on_resume_from_a_checkpoint_without_it_is_one_line(micro_config, tmp_path, capsys):
-    from nagmoe.errors import UserError
+    from nagmoe.base.errors import UserError
     from nagmoe.train.trainer import Trainer
 
     run_dir = str(tmp_path / "run")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from nagmoe.errors import UserError
+from nagmoe.base.errors import UserError
 from nagmoe.flops import flops_per_token
 from nagmoe.checkpoint import latest_valid_checkpoint
 from nagmoe.rundir.metrics import read_metrics
