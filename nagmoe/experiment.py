@@ -44,7 +44,7 @@ from typing import Callable, Optional
 from nagmoe.config import Config, ConfigError, dump_yaml, load_config, parse_overrides, set_key, yaml_load
 from nagmoe.base.errors import UserError, shown
 from nagmoe.rundir.names import SUMMARY_FILE
-from nagmoe.yaml_files import next_in_chain, read_yaml
+from nagmoe.config.yaml_files import next_in_chain, read_yaml
 
 REPORT_FILE = "report.html"
 MANAGED_KEYS = ("train.flop_budget", "train.flop_convention", "train.seed")  # set by the experiment only
@@ -141,14 +141,14 @@ class RunPlan:
         return not [d for d in resume_differences(self.run_dir, self.config) if not d.startswith("train.device:")]
 
     def full_depth_flops_per_token(self) -> float:
-        from nagmoe.flops import flops_per_token
+        from nagmoe.config.flops import flops_per_token
 
         return flops_per_token(self.config.model, self.config.data.seq_len,
                                convention=self.config.train.flop_convention)
 
     def ideal_flops_per_token(self) -> float:
         """At the target skip rate on every sublayer (MoD), else full depth: the plan's token estimate."""
-        from nagmoe.flops import flops_per_token
+        from nagmoe.config.flops import flops_per_token
 
         return flops_per_token(self.config.model, self.config.data.seq_len, 1.0 - self.config.model.mod.skip_rate,
                                self.config.train.flop_convention)
@@ -240,7 +240,7 @@ def load_experiment(path: str, _including: tuple = ()) -> Experiment:
     real = next_in_chain(path, _including, "include")
     if not os.path.isfile(path):
         raise UserError(f"experiment file not found: {shown(path)}")
-    data = read_yaml(path)  # UTF-8, bounded (nagmoe.yaml_files): one line on any YAML problem
+    data = read_yaml(path)  # UTF-8, bounded (nagmoe.config.yaml_files): one line on any YAML problem
     if not isinstance(data, dict):
         raise UserError(f"{path}: top level must be a mapping with name, flop_budget, seeds, runs")
     _check_keys(path, data, TOP_KEYS)

@@ -93,7 +93,7 @@ def export_state(model, dtype: torch.dtype) -> dict:
 
 def hf_config(run, layout: dict, source: dict):
     from nagmoe.hf.configuration_nagmoe import NagMoeConfig
-    from nagmoe.schema import to_dict
+    from nagmoe.config.schema import to_dict
 
     cfg = run.config
     hf = NagMoeConfig(nagmoe_model=to_dict(cfg.model), layout=layout, seq_len=cfg.data.seq_len,
@@ -121,7 +121,7 @@ def hf_tokenizer(run):
 
 
 def model_card(run, hf_cfg, source: dict, dtype: str) -> str:
-    from nagmoe.flops import param_counts
+    from nagmoe.config.flops import param_counts
 
     m = run.config.model
     counts = param_counts(m)

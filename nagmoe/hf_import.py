@@ -100,7 +100,7 @@ def check_weights_header(weights: str, model_cfg) -> dict:
     """The header of `weights` against the config's model, before a byte of data is mapped: the total size
     first (no model is built for a file that cannot be its weights), then names, shapes and dtypes. Returns the
     expected {key: meta tensor}."""
-    from nagmoe.flops import param_counts
+    from nagmoe.config.flops import param_counts
     from nagmoe.hf_export import PREFIX
     from nagmoe.safetensors_header import read_header, total_elements
 
@@ -199,7 +199,7 @@ def _write_run(run_dir: str, cfg, tok_bytes: bytes, model, step: int, export_dir
     from nagmoe.checkpoint.run_dir import CONFIG_FILE
     from nagmoe.checkpoint.torch_layout import save_checkpoint
     from nagmoe.base.files import write_atomic
-    from nagmoe.schema import dump_yaml
+    from nagmoe.config.schema import dump_yaml
 
     data_dir = cfg.data.data_dir
     os.makedirs(data_dir, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Every message of the config schema (nagmoe/schema.py, nagmoe/config.py), of `import-hf`'s config reader and of
+"""Every message of the config schema (nagmoe/config/schema.py, nagmoe/config/load.py), of `import-hf`'s config reader and of
 the safetensors header reader stays bounded whatever it is given (issue 53 item 2): keys and values of every
 length, through every leaf key, every section and every entry point (a dict as a saved config or config.json
 is read, a dotted override, a YAML file). The bound: a message does not grow with its input — the longest
@@ -10,7 +10,7 @@ import struct
 
 from nagmoe.config import load_config
 from nagmoe.base.errors import UserError
-from nagmoe.schema import Config
+from nagmoe.config.schema import Config
 
 SHOWN_BUDGET = 500
 ABSOLUTE = 1500  # the longest fixed text: the known keys of the largest section (train) and a shown value

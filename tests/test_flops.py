@@ -167,7 +167,7 @@ def test_paper_ratios_present():
 
 
 def test_solver_hits_targets(repo_root):
-    from nagmoe.layout_solver import solve_layout
+    from nagmoe.config.shape_solver import solve_layout
 
     cfg = load_config(os.path.join(repo_root, "configs/paper/base.yaml"))
     lay = solve_layout(cfg.model, 900e6, 150e6, 40)
@@ -179,7 +179,7 @@ def test_solver_hits_targets(repo_root):
 @pytest.mark.parametrize("kind, c1, c2", [("mha", None, None), ("cca", 4, 4), ("cca", 2, 8)])
 def test_solver_takes_attention_kind_and_compression(repo_root, kind, c1, c2):
     from nagmoe.flops import attention_heads
-    from nagmoe.layout_solver import solve_layout
+    from nagmoe.config.shape_solver import solve_layout
 
     cfg = load_config(os.path.join(repo_root, "configs/paper/base.yaml"))
     lay = solve_layout(cfg.model, 900e6, 150e6, 80, attention_kind=kind, q_compression=c1, kv_compression=c2)

@@ -35,7 +35,7 @@ from gpu_check_configs import PAPER, SIZES, micro_batch_tokens, paper_config
 ESTIMATES = os.path.join(REPO, "tools", "gpu_check_estimates.json")
 RULES = ("2.11",)  # the GPU machine's torch (tools/gpu_check.sh); add a version when its torch changes
 # what the estimate's numbers depend on besides the config: the estimator, the model it probes, the rules tier
-CODE = ("nagmoe/train/memory.py", "nagmoe/train/speed.py", "nagmoe/model", "nagmoe/ops", "nagmoe/schema.py",
+CODE = ("nagmoe/train/memory.py", "nagmoe/train/speed.py", "nagmoe/model", "nagmoe/ops", "nagmoe/config/schema.py",
         "nagmoe/cuda_rules/table.py", "nagmoe/cuda_rules/tier.py")
 EP, WORLD = 1, 1  # the check trains each config on one GPU
 

@@ -13,7 +13,7 @@ eligible sublayers' work (work weights: the FLOP accounting's skippable FLOPs pe
 
 The dial is exact: each rate is calibrated by a few fixed-point passes on calibration tokens
 (`calibrate_skip_rate`), then measured on other tokens; requested vs realised are both in its rows.
-Executed FLOPs are inference (forward) FLOPs per token, `nagmoe.flops.forward_flops_per_token(model_cfg, seq_len,
+Executed FLOPs are inference (forward) FLOPs per token, `nagmoe.config.flops.forward_flops_per_token(model_cfg, seq_len,
 executed=realised fractions)["total"]`, so K/V, embeddings, unembedding and gates stay paid for skipped tokens.
 `run_dial` restores the calibrator's saved state (the trained thresholds) afterwards.
 """
@@ -55,7 +55,7 @@ def mod_section(stats: dict, model=None) -> object:
 
 def executed_flops_per_token(model_cfg, seq_len: int, executed: Optional[list]) -> float:
     """Forward (inference) FLOPs per token with the given executed fractions (None = full depth)."""
-    from nagmoe.flops import forward_flops_per_token
+    from nagmoe.config.flops import forward_flops_per_token
 
     return forward_flops_per_token(model_cfg, seq_len, executed)["total"]
 

@@ -284,7 +284,7 @@ def mod_section(groups, nums, pairs, fig_dir) -> tuple:
                     "depth.", "note"), None
     partner = {p.variant: p.reference for p in pairs if p.kind == "mod_vs_full"}
     rows = []
-    from nagmoe.flops import flops_per_token
+    from nagmoe.config.flops import flops_per_token
 
     def row(g, ref=None):
         n, cfg = nums[g], groups[g][0].config
@@ -328,7 +328,7 @@ def mod_section(groups, nums, pairs, fig_dir) -> tuple:
         "Realised skip: the skipped share of the skippable work (FLOP-weighted per sublayer), averaged over the "
         "steps that skipped; the whole run includes the steps before skipping starts. Executed training FLOPs "
         "count skipped sublayer work as not done; K/V projections, embeddings, unembedding and modulators are still "
-        "paid for skipped tokens (nagmoe/flops.py), so 20% skipped work buys fewer than 25% more tokens.", "note"),
+        "paid for skipped tokens (nagmoe/config/flops.py), so 20% skipped work buys fewer than 25% more tokens.", "note"),
         *notes, "<h3>Skip through depth</h3>",
         image(depth_png, "skipped share per sublayer", "no per-sublayer skip in the runs' summaries"),
         para("Training, skipping steps only. With model.mod.threshold=global one threshold on the rotation score "
@@ -425,7 +425,7 @@ def references(pairs, nums, groups) -> str:
 
 def _ratio_by_convention(cfg) -> str:
     """The ideal MoD token ratio of a config in both FLOP conventions (the paper's unit is not public)."""
-    from nagmoe.flops import CONVENTIONS, mod_token_ratio
+    from nagmoe.config.flops import CONVENTIONS, mod_token_ratio
 
     skip = cfg.model.mod.skip_rate
     ratios = ", ".join(f"x{mod_token_ratio(cfg.model, cfg.data.seq_len, 1.0 - skip, c):.3f} {c}" for c in CONVENTIONS)
@@ -438,7 +438,7 @@ def _analysis(rs):
 
 
 def runs_section(records) -> str:
-    from nagmoe.flops import param_counts
+    from nagmoe.config.flops import param_counts
 
     rows = []
     for r in records:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from nagmoe.model import build_model
-from nagmoe.schema import AttentionConfig, ModelConfig, MoEConfig, NAGConfig
+from nagmoe.config.schema import AttentionConfig, ModelConfig, MoEConfig, NAGConfig
 
 VOCAB, EXPERTS, SEQ = 64, 4, 16
 PER_CLASS = VOCAB // EXPERTS

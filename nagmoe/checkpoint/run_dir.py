@@ -14,7 +14,7 @@ from nagmoe.config import RESUMABLE_KEYS, Config, config_from_dict, dump_yaml, m
 from nagmoe.base.errors import UserError, shown
 from nagmoe.base.files import NUMBER, expect, expect_object, read_json, write_atomic
 from nagmoe.rundir.names import CONFIG_FILE, RUN_INFO_FILE, SUMMARY_FILE
-from nagmoe.schema import RESUMABLE_LAYOUT_KEYS
+from nagmoe.config.schema import RESUMABLE_LAYOUT_KEYS
 
 
 
@@ -41,7 +41,7 @@ def _saved_yaml(run_dir: str):
     path = os.path.join(run_dir, CONFIG_FILE)
     if not os.path.isfile(path):
         return None
-    from nagmoe.yaml_files import read_yaml
+    from nagmoe.config.yaml_files import read_yaml
 
     return read_yaml(path) or {}  # UTF-8, bounded; a torn or foreign file is one line naming it
 

@@ -37,7 +37,7 @@ def _executed(args, cfg):
 
 
 def run(args) -> int:
-    from nagmoe.flops import (CONVENTIONS, PAPER_MOD_TOKEN_RATIO, convention_total, forward_flops_per_token,
+    from nagmoe.config.flops import (CONVENTIONS, PAPER_MOD_TOKEN_RATIO, convention_total, forward_flops_per_token,
                               mod_token_ratio, skip_for_token_ratio)
 
     cfg = config_from_args(args)

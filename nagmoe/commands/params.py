@@ -38,11 +38,11 @@ def _fmt(n: float) -> str:
 
 
 def run(args) -> int:
-    from nagmoe.flops import param_counts
+    from nagmoe.config.flops import param_counts
 
     cfg = config_from_args(args)
     if args.solve:
-        from nagmoe.layout_solver import solve_layout
+        from nagmoe.config.shape_solver import solve_layout
 
         if min(args.total, args.active, args.ratio) <= 0 or args.active > args.total:
             raise UserError("--solve needs 0 < --active <= --total and --ratio > 0")
@@ -84,7 +84,7 @@ def _check(model, args) -> int:
     """Exit 0 when both residuals' active and total counts are within the tolerances of the targets, else 1."""
     import copy
 
-    from nagmoe.flops import param_counts
+    from nagmoe.config.flops import param_counts
 
     if min(args.active_tolerance, args.total_tolerance) < 0:
         raise UserError("--active-tolerance and --total-tolerance must be >= 0")

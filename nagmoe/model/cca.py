@@ -7,7 +7,7 @@ H query heads, K key/value heads (G = H / K query heads per kv head), S head dim
 widths, C = Q + J channels of the concatenated [q|k] latent, W = (k1 - 1) + (k2 - 1) tokens of convolution
 history, N value channels taken from the previous token (J / 2).
 
-Geometry (`nagmoe.flops.attention_heads`): `n_heads` is the reference head count, H = n_heads /
+Geometry (`nagmoe.config.flops.attention_heads`): `n_heads` is the reference head count, H = n_heads /
 q_compression, K = n_heads / kv_compression, S = d_model / n_heads unless `head_dim` is set. CCA when H = K,
 CCGQA when H > K.
 
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nagmoe.base.errors import UserError
-from nagmoe.flops import attention_heads
+from nagmoe.config.flops import attention_heads
 from nagmoe.model.attention import (AttentionCache, apply_rope, attention_at_positions, causal_attention,
                                     executed_queries, resolve_attention_impl, rope_tables, rotary_dims)
 from nagmoe.model.common import init_linear_uniform, rms_norm
@@ -74,7 +74,7 @@ class CCAttention(nn.Module):
 
     def __init__(self, d_model: int, attn_cfg, init_std: Optional[float] = None):
         super().__init__()
-        # sizes from the accounting's own function, so that model and nagmoe.flops can never disagree
+        # sizes from the accounting's own function, so that model and nagmoe.config.flops can never disagree
         H, K, S = attention_heads(SimpleNamespace(d_model=d_model, attention=attn_cfg))
         self.n_heads, self.n_kv_heads, self.head_dim = H, K, S
         self.channels = C = (H + K) * S

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from nagmoe.ops.position_attention import POSITION_CHUNK
-from nagmoe.schema import ELIGIBLE_MODES, eligible_sublayers  # noqa: F401  (the MoD eligibility rule)
+from nagmoe.config.schema import ELIGIBLE_MODES, eligible_sublayers  # noqa: F401  (the MoD eligibility rule)
 
 
 

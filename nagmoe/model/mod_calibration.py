@@ -4,7 +4,7 @@ paper's calibration is not public; docs/decisions.md, "one threshold on the rota
 Legend: n sublayers, K histogram bins (uniform on [0, 1]). A token skips sublayer l when its rotation score
 r ≤ p_l (it executes when r > p_l). F_l(p) = the share of sublayer l's (decayed) score histogram at or below p,
 linear inside a bin; Q_l(q) its inverse (the quantile). w_l = sublayer l's skippable work per token (the FLOP
-accounting's, `nagmoe.flops.skippable_flops_per_sublayer`), c_l = the ceiling `model.mod.max_sublayer_skip`.
+accounting's, `nagmoe.config.flops.skippable_flops_per_sublayer`), c_l = the ceiling `model.mod.max_sublayer_skip`.
 
 - `global` (default for new runs): ONE threshold p for every eligible sublayer, the seed's rule ("when does a
   rotation become worth paying for with compute?"), with p solving the work-weighted target

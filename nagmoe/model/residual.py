@@ -31,7 +31,7 @@ from torch import nn
 from nagmoe.model.roles import GATE, SCALAR
 from nagmoe.model.common import rms_norm
 from nagmoe.model.init_rng import ParamInit
-from nagmoe.flops import skippable_flops_per_sublayer
+from nagmoe.config.flops import skippable_flops_per_sublayer
 from nagmoe.model.mod import eligible_sublayers
 from nagmoe.model.mod_calibration import MoDCalibrator
 from nagmoe.model.nag import modulator, rms_normalise, rotation_score

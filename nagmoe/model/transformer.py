@@ -172,7 +172,7 @@ class Transformer(nn.Module):
         share of a sublayer's work grows with it). No-op without MoD."""
         mod = self.mod_calibrator()
         if mod is not None:
-            from nagmoe.flops import skippable_flops_per_sublayer
+            from nagmoe.config.flops import skippable_flops_per_sublayer
 
             mod.set_work_weights(skippable_flops_per_sublayer(self.config, seq_len))
 

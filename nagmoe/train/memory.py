@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from nagmoe.model.moe import expert_capacity
-from nagmoe.schema import expert_hidden
+from nagmoe.config.schema import expert_hidden
 
 GIB = 2 ** 30
 CUDA_RUNTIME_BYTES = 1 * GIB  # CUDA context + NCCL communicators and buffers, typical for one H100 rank

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from nagmoe.flops import executed_flops_per_token
+from nagmoe.config.flops import executed_flops_per_token
 
 
 class ModAccount:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from nagmoe.config import load_config, set_key
-from nagmoe.flops import mfu
+from nagmoe.config.flops import mfu
 from nagmoe.rundir.names import CONFIG_FILE, METRICS_FILE, PREFLIGHT_RUN_DIR, SLURM_DIR, SUMMARY_FILE
 from nagmoe.base.files import atomic_writer
 

@@ -5,7 +5,7 @@
 
 A line is written at the first step, then at most one per `min_interval_s` among the steps that `log.every`
 selects, and always at the last step. MFU is against the device's bf16 data-sheet peak times the world size
-(nagmoe.flops.mfu), "-" where the peak is unknown (CPU). ETA from the mean step time since this process
+(nagmoe.config.flops.mfu), "-" where the peak is unknown (CPU). ETA from the mean step time since this process
 started, over the steps left to `train.max_steps` ("-" when the run stops on a FLOP budget only).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Optional, TextIO
 
-from nagmoe.flops import mfu
+from nagmoe.config.flops import mfu
 
 
 def _clock(seconds: float) -> str:

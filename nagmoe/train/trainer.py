@@ -32,7 +32,7 @@ from nagmoe.data import shards
 from nagmoe.data.loader import TokenLoader, TokenShards, check_data_vocab, iter_eval_batches
 from nagmoe.data.bpb import bits_per_byte, bpb_sums, token_bytes
 from nagmoe.base.errors import UserError, warn
-from nagmoe.flops import flops_per_token
+from nagmoe.config.flops import flops_per_token
 from nagmoe.model import build_model
 from nagmoe.rundir.names import METRICS_FILE
 from nagmoe.train.deepspeed_engine import DeepSpeedEngine

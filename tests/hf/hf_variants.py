@@ -111,7 +111,7 @@ def hf_model(cfg, model, dtype: torch.dtype = torch.float32):
     from nagmoe.hf.configuration_nagmoe import NagMoeConfig
     from nagmoe.hf.modeling_nagmoe import NagMoeForCausalLM
     from nagmoe.hf_export import export_state, layout_of
-    from nagmoe.schema import to_dict
+    from nagmoe.config.schema import to_dict
 
     hf = NagMoeForCausalLM(NagMoeConfig(nagmoe_model=to_dict(cfg.model), layout=layout_of(model),
                                         seq_len=cfg.data.seq_len, bos_token_id=0, eos_token_id=0, pad_token_id=0))

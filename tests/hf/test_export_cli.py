@@ -168,7 +168,7 @@ class _no_raise:
 def _resume(run_dir, *overrides):
     from nagmoe.config import config_from_dict
     from nagmoe.checkpoint.run_dir import read_saved_config
-    from nagmoe.schema import to_dict
+    from nagmoe.config.schema import to_dict
     from nagmoe.train.trainer import Trainer
 
     data = to_dict(read_saved_config(run_dir))

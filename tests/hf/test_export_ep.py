@@ -38,7 +38,7 @@ def test_an_ep2_run_exports_its_consolidated_model(micro_data, request, tmp_path
     from nagmoe.checkpoint.consolidate import consolidate_run, load_consolidated
     from nagmoe.cli import main
     from nagmoe.config import load_config
-    from nagmoe.schema import dump_yaml
+    from nagmoe.config.schema import dump_yaml
 
     root_conftest = request.config.pluginmanager.get_plugin(os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conftest.py"))

@@ -131,7 +131,7 @@ def test_from_the_command_line_no_traceback_and_a_path_with_a_newline_stays_one_
 
 
 def test_a_config_and_an_experiment_name_the_line_of_a_yaml_error_alike(tmp_path, capsys):
-    """One YAML reader for configs and experiments (nagmoe.yaml_files.load_yaml): the same one-line message."""
+    """One YAML reader for configs and experiments (nagmoe.config.yaml_files.load_yaml): the same one-line message."""
     bad = "name: x\nseeds: [0,\n"
     config_line = one_line(capsys, ["config", "--config", write(tmp_path, "c.yaml", bad)], "invalid YAML")
     exp_line = one_line(capsys, ["experiment", write(tmp_path, "e.yaml", bad), "--slurm", "--dry-run"], "invalid YAML")

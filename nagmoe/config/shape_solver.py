@@ -3,7 +3,7 @@
 Search space (small, exhaustive): n_layers, d_model a multiple of the head dim with d_model / n_layers
 close to the ratio, head_dim in {64, 128} (or the base config's `attention.head_dim` when it sets one),
 n_experts (multiples of 8, so expert parallelism up to 8 divides them), top_k, expert_hidden a multiple of
-64 and at most 4 x d_model. Counts come from `nagmoe.flops.param_counts`, so the solver and the accounting
+64 and at most 4 x d_model. Counts come from `nagmoe.config.flops.param_counts`, so the solver and the accounting
 can never disagree. The score is the worse of the relative errors (total, active; of the NAG model and its
 pre-norm twin), plus a small penalty for missing the ratio.
 
@@ -20,7 +20,7 @@ from typing import Optional
 
 from nagmoe.config import ModelConfig
 from nagmoe.base.errors import UserError
-from nagmoe.flops import attention_heads, param_counts
+from nagmoe.config.flops import attention_heads, param_counts
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Config schema (dataclasses), YAML reading with `inherit:`, dotted overrides, and the sizes a model config
-implies (attention head geometry, expert width) — the bottom of the config stack: nagmoe.flops builds on it,
+implies (attention head geometry, expert width) — the bottom of the config stack: nagmoe.config.flops builds on it,
 and nagmoe.config (loading + validation, which uses the accounting) on both.
 
 Every key a user can set lives in one of the dataclasses below; the dotted path of a field
@@ -20,14 +20,14 @@ import yaml
 
 
 from nagmoe.base.errors import UserError, shown
-from nagmoe.yaml_files import load_yaml, next_in_chain, parse
+from nagmoe.config.yaml_files import load_yaml, next_in_chain, parse
 
 
 class ConfigError(UserError, ValueError):
     """Bad user configuration; the message names the key and what is allowed."""
 
 
-yaml_load = parse  # YAML 1.2 booleans, bounded (nagmoe.yaml_files); every failure a one-line yaml.YAMLError
+yaml_load = parse  # YAML 1.2 booleans, bounded (nagmoe.config.yaml_files); every failure a one-line yaml.YAMLError
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ class TrainConfig:
     max_steps: Optional[int] = None  # a stop only
     flop_budget: Optional[float] = None  # training FLOPs; the LR horizon when set
     # the unit of flop_budget and of the run's FLOP count: matmul (every counted matmul, the unembedding
-    # included) | non_embedding (the same without the unembedding); nagmoe/flops.py, docs/decisions.md
+    # included) | non_embedding (the same without the unembedding); nagmoe/config/flops.py, docs/decisions.md
     flop_convention: str = "matmul"
     schedule_steps: int = 1000  # LR horizon when no FLOP budget is set
     warmup_steps: int = 40
@@ -472,10 +472,10 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 
 def _read_yaml_tree(path: str, stack: tuple[str, ...] = ()) -> dict:
-    """The config at `path` with its `inherit:` parents merged under it. Read as UTF-8 and bounded (nagmoe.yaml_files);
+    """The config at `path` with its `inherit:` parents merged under it. Read as UTF-8 and bounded (nagmoe.config.yaml_files);
     `inherit` is one path or a list of paths (strings), relative to the file; a cycle is named as one (files
     compared by their real path, so a symlink or `./` cannot hide it); a chain is at most 32 files
-    (nagmoe.yaml_files.next_in_chain)."""
+    (nagmoe.config.yaml_files.next_in_chain)."""
     from nagmoe.base.files import read_text
 
     real = next_in_chain(path, stack, "inherit", ConfigError)

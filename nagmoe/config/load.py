@@ -1,9 +1,9 @@
-"""Loading a config: YAML with `inherit:`, dotted overrides, validation (the schema: nagmoe.schema).
+"""Loading a config: YAML with `inherit:`, dotted overrides, validation (the schema: nagmoe.config.schema).
 
-Every key a user can set lives in one of the dataclasses of nagmoe.schema (re-exported here); the dotted path
+Every key a user can set lives in one of the dataclasses of nagmoe.config.schema (re-exported here); the dotted path
 of a field (`model.moe.top_k`) is its override name. Validation never asserts: it raises `ConfigError`
 naming the key, the value and what is allowed, and the CLI turns that into one line and exit code 2.
-Validation sits above the accounting (nagmoe.flops), which it needs for the budget checks.
+Validation sits above the accounting (nagmoe.config.flops), which it needs for the budget checks.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import math
 from typing import Iterable, Optional
 
 from nagmoe.base.errors import UserError, shown
-from nagmoe.flops import flops_per_token
-from nagmoe.schema import (
+from nagmoe.config.flops import flops_per_token
+from nagmoe.config.schema import (
     CHOICES,
     LEGACY_VALUES,
     NON_NEGATIVE,
@@ -133,7 +133,7 @@ def _check_sizes(cfg: Config) -> None:
         v = get_key(cfg, key)
         if v is not None and v >= SIZE_LIMIT:
             raise ConfigError(f"{key}: {v} is too large (at most {SIZE_LIMIT - 1})")
-    from nagmoe.flops import param_counts
+    from nagmoe.config.flops import param_counts
 
     try:
         total = param_counts(cfg.model)["total"]
