@@ -5,7 +5,7 @@ reference: every token runs every sublayer and the stream keeps the executed tok
 saving is lost). Logits are fp32.
 
 Self-contained: imports the standard library, torch, transformers and its sibling files only (nagmoe's own
-package is never needed; `nag_math.py` is a byte copy of nagmoe/nag_math.py, the equations' one source).
+package is never needed; `nag_math.py` is a byte copy of nagmoe/ops/nag_math.py, the equations' one source).
 Module and parameter names are nagmoe's, under the prefix `model.`.
 
 Legend: B batch, T new tokens, L key positions, D width, V vocabulary, C modulator directions.

@@ -8,9 +8,9 @@ One NAG sublayer, around its branch F (nagmoe/model/residual.py):
     (s', R_bar') = nag_update(s_BT, R_bar_BTD, f_BTD, scale_BT)
 Eager, this is ~20 small element-wise kernels over (B, T, D), each saving its output for the backward: the
 ~40% time and ~24% memory overhead of the unfused reimplementation. The fused backends compute exactly the
-same functions (nagmoe/nag_math.py stays the oracle), as one region per call:
+same functions (nagmoe/ops/nag_math.py stays the oracle), as one region per call:
 
-  eager     the functions of nagmoe/nag_math.py as they are: the reference and the test oracle.
+  eager     the functions of nagmoe/ops/nag_math.py as they are: the reference and the test oracle.
   compiled  the same functions under `torch.compile` (inductor): CPU (C++/OpenMP) and CUDA (Triton). The
             forward and backward each become a few fused loops, and the min-cut partitioner saves only
             the inputs and per-token reductions for the backward instead of every (B, T, D) intermediate.
@@ -40,7 +40,7 @@ import warnings
 import torch
 
 from nagmoe.base.errors import UserError
-from nagmoe.nag_math import modulator as eager_modulator, nag_update as eager_nag_update
+from nagmoe.ops.nag_math import modulator as eager_modulator, nag_update as eager_nag_update
 from nagmoe.ops.registry import Registry
 
 log = logging.getLogger("nagmoe.backends")

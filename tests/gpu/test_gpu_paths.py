@@ -172,9 +172,9 @@ def test_flash_attention_matches_math_reference():
 
 @needs_cuda
 def test_batches_reach_the_device_without_a_blocking_copy():
-    """Issue 39: the trainer's batch copy (nagmoe/train/host_copy.py) pins and copies non-blocking: the sync
+    """Issue 39: the trainer's batch copy (nagmoe/data/host_copy.py) pins and copies non-blocking: the sync
     counter, which counts a pageable `to(cuda)`, sees nothing; the plain copy it does see."""
-    from nagmoe.train.host_copy import to_device
+    from nagmoe.data.host_copy import to_device
     from nagmoe.train.sync_count import SyncCounter
 
     x = torch.randint(0, 100, (4, 2048))

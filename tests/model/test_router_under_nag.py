@@ -57,7 +57,7 @@ def test_autograd_agrees_with_the_analytic_gradient_of_the_step_gain_form(biased
     b moves the selection, not the gradient's shape."""
     from nagmoe.config import MoEConfig
     from nagmoe.model.moe import MoELayer
-    from nagmoe.nag_math import nag_update, rms_normalise
+    from nagmoe.ops.nag_math import nag_update, rms_normalise
 
     torch.manual_seed(3)
     d, n = 32, 24

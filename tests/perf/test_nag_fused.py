@@ -1,4 +1,4 @@
-"""The compiled NAG update and modulator against the eager oracle (nagmoe/nag_math.py): forward and every
+"""The compiled NAG update and modulator against the eager oracle (nagmoe/ops/nag_math.py): forward and every
 gradient, on CPU (inductor C++). The model-level test checks that NAGResidual routes through the registry."""
 from __future__ import annotations
 
