@@ -44,12 +44,8 @@ def synthetic_data_dir(root: str, n_tokens: int, vocab_size: int, shard_tokens: 
         f.write('{"synthetic": true}\n')  # ids only: nothing here decodes them
     from nagmoe.data.tokenizer import file_sha256
 
-    meta = {"format": shards.FORMAT, "vocab_size": vocab_size, "dtype": dtype.name, "bos_id": 0,
-            "tokenizer_sha256": file_sha256(tok), "corpus": "synthetic", "documents": "random ids",
-            "val_fraction": 0.05, "text_field": "text",
-            "totals": {s: {"n_tokens": w.n_tokens, "n_documents": w.n_documents} for s, w in writers.items()},
-            "shards": [r for s in shards.SPLITS for r in writers[s].close()]}
-    shards.write_json_atomic(os.path.join(part, shards.PART_INDEX), meta)
+    shards.write_part_index(part, writers, vocab_size=vocab_size, bos_id=0, tokenizer_sha256=file_sha256(tok),
+                            corpus="synthetic", documents="random ids", val_fraction=0.05, text_field="text")
     data_dir = os.path.join(root, "data")
     shards.merge_parts(data_dir, [part], tok, verify=False)
     return data_dir

@@ -72,12 +72,9 @@ def make_data(root: str, vocab: int, n_tokens: int, seed: int = 0) -> dict:
         while writers[split].n_tokens < n:
             doc = [np.zeros(1, dtype=dtype)] + [bank[i] for i in rng.choice(len(bank), size=256, p=bank_p)]
             writers[split].add_document(np.concatenate(doc).astype(dtype))
-    meta = {"format": shards.FORMAT, "vocab_size": vocab, "dtype": dtype.name, "bos_id": 0,
-            "tokenizer_sha256": file_sha256(tok_path), "corpus": "gpu_check synthetic",
-            "documents": "Zipf phrases", "val_fraction": 1 / 17, "text_field": "text",
-            "totals": {sp: {"n_tokens": w.n_tokens, "n_documents": w.n_documents} for sp, w in writers.items()},
-            "shards": [r for sp in shards.SPLITS for r in writers[sp].close()]}
-    shards.write_json_atomic(os.path.join(part, shards.PART_INDEX), meta)
+    shards.write_part_index(part, writers, vocab_size=vocab, bos_id=0, tokenizer_sha256=file_sha256(tok_path),
+                            corpus="gpu_check synthetic", documents="Zipf phrases", val_fraction=1 / 17,
+                            text_field="text")
     index = shards.merge_parts(os.path.join(root, "data"), [part], tok_path, verify=False)
     return {"data_dir": os.path.join(root, "data"), "vocab_size": vocab, "totals": index["totals"]}
 

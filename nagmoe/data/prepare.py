@@ -167,16 +167,10 @@ def prepare_slice(cfg, tokenizer_path: str, stage_dir: str, slice_index: int = 0
                                                    d.num_proc):
                 for text, ids in zip(texts, encoded):
                     writers["val" if is_val_document(text, d.val_fraction) else "train"].add_document(ids)
-        records = [r for s in shards.SPLITS for r in writers[s].close()]
-        part = {"format": shards.FORMAT, "slice": slice_index, "num_slices": num_slices,
-                "vocab_size": cfg.model.vocab_size, "dtype": dtype.name, "bos_id": bos,
-                "tokenizer_sha256": file_sha256(tokenizer_path), "corpus": d.corpus,
-                "documents": corpus.describe_documents(), "val_fraction": d.val_fraction,
-                "text_field": d.text_field,
-                "totals": {s: {"n_tokens": writers[s].n_tokens, "n_documents": writers[s].n_documents}
-                           for s in shards.SPLITS},
-                "shards": records}
-        shards.write_json_atomic(os.path.join(tmp, shards.PART_INDEX), part)
+        shards.write_part_index(tmp, writers, vocab_size=cfg.model.vocab_size, bos_id=bos,
+                                tokenizer_sha256=file_sha256(tokenizer_path), corpus=d.corpus,
+                                documents=corpus.describe_documents(), val_fraction=d.val_fraction,
+                                text_field=d.text_field, slice_index=slice_index, num_slices=num_slices)
         _remove(final)  # an earlier run of this same slice (a link planted there is removed, not followed)
         os.replace(tmp, final)
     finally:

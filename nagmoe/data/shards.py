@@ -64,6 +64,23 @@ def write_json_atomic(path: str, obj) -> None:
         f.write("\n")
 
 
+def write_part_index(folder: str, writers: dict, *, vocab_size: int, bos_id: int, tokenizer_sha256: str,
+                     corpus: str, documents: str, val_fraction: float, text_field: str,
+                     slice_index: Optional[int] = None, num_slices: Optional[int] = None) -> dict:
+    """Close one part's ShardWriters (one per split) and write its part.json: the one builder of the part schema
+    that `check_index(part=True)` reads back strictly (issue 40), for `prepare-data` and the tools' synthetic
+    data alike. `slice_index`/`num_slices`: the slice of the corpus a prepare-data part holds. Returns the dict."""
+    records = [r for s in SPLITS for r in writers[s].close()]
+    dtype = writers[SPLITS[0]].dtype
+    part = {"format": FORMAT, **({"slice": slice_index, "num_slices": num_slices} if slice_index is not None else {}),
+            "vocab_size": vocab_size, "dtype": dtype.name, "bos_id": bos_id, "tokenizer_sha256": tokenizer_sha256,
+            "corpus": corpus, "documents": documents, "val_fraction": val_fraction, "text_field": text_field,
+            "totals": {s: {"n_tokens": writers[s].n_tokens, "n_documents": writers[s].n_documents} for s in SPLITS},
+            "shards": records}
+    write_json_atomic(os.path.join(folder, PART_INDEX), part)
+    return part
+
+
 def read_json(path: str, what: str) -> dict:
     if not os.path.isfile(path):
         raise UserError(f"{what} not found: {path}")

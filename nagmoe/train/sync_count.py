@@ -7,7 +7,7 @@ Two levels, each read counted once, at the call site in our code that caused it:
     inside torch.optim (its non-capturable optimizers keep their `step` counters on the host by design) and
     `to(device)` between equal devices.
   * Synchronising host copies (issue 39): `to(...)` a device from a host tensor, unless the source is pinned and
-    the copy `non_blocking` (nagmoe/train/host_copy.py): from pageable memory the host waits for the copy and
+    the copy `non_blocking` (nagmoe/data/host_copy.py): from pageable memory the host waits for the copy and
     the copy for the stream. Counted as "to-device". On a CPU-only machine a host-to-host copy is no copy.
   * aten ops whose output size or value the host must know (a TorchDispatchMode): `_local_scalar_dense`,
     `nonzero`, `bincount`, `_unique2`, `masked_select`, `repeat_interleave` without `output_size`, and

@@ -52,7 +52,7 @@ from nagmoe.train.wandb_id import ensure_wandb_id
 from nagmoe.train.wandb_mode import start_wandb, wandb_record
 from nagmoe.rundir.metrics import MetricsWriter, check_metrics_steps, truncate_metrics
 from nagmoe.train.optim import build_optimizers
-from nagmoe.train.host_copy import to_device
+from nagmoe.data.host_copy import to_device
 from nagmoe.train.guards import (
     EXIT_GATE_COLLAPSE, EXIT_NONFINITE, TrainingHalted, collapsed_fraction, gate_collapse_message, is_nonfinite,
     fail_at_step_for_a_test, locate_nonfinite, nonfinite_message, realised_gains)

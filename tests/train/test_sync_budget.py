@@ -82,7 +82,7 @@ def test_the_counter_sees_every_kind_of_read():
 
 def test_a_blocking_host_copy_to_a_device_is_counted():
     """Issue 39: `to(device)` from pageable host memory waits for the stream; only a pinned, non-blocking copy
-    does not (nagmoe/train/host_copy.py, checked on CUDA in tests/gpu). Here "meta" stands for the device."""
+    does not (nagmoe/data/host_copy.py, checked on CUDA in tests/gpu). Here "meta" stands for the device."""
     import torch
 
     x = torch.arange(6.0)
@@ -95,7 +95,7 @@ def test_a_blocking_host_copy_to_a_device_is_counted():
 def test_the_trainers_batch_copy_is_plain_off_cuda():
     import torch
 
-    from nagmoe.train.host_copy import to_device
+    from nagmoe.data.host_copy import to_device
 
     x = torch.arange(6)
     with SyncCounter() as counter:
