@@ -127,7 +127,7 @@ class RunPlan:
         """Finished with this config: summary.json, and the saved config equals the planned one (the device
         aside). A finished run whose budget or config changed is handed to the trainer again, which continues
         to a new budget or refuses a structural change with a message."""
-        from nagmoe.checkpoint.run_dir import read_saved_config, resume_differences
+        from nagmoe.rundir.info import read_saved_config, resume_differences
 
         if not os.path.isfile(os.path.join(self.run_dir, SUMMARY_FILE)):
             return False

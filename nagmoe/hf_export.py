@@ -148,7 +148,7 @@ def model_card(run, hf_cfg, source: dict, dtype: str) -> str:
 
 def _source(run, run_dir: str, checkpoint: str, skip_rate: Optional[float]) -> dict:
     from nagmoe.checkpoint.files import read_checkpoint_state, sha256_and_sync
-    from nagmoe.checkpoint.run_dir import git_commit, read_run_info, read_summary
+    from nagmoe.rundir.info import git_commit, read_run_info, read_summary
 
     manifest = os.path.join(checkpoint, "manifest.json")
     summary = read_summary(run_dir) or {}

@@ -196,7 +196,7 @@ def load_weights(weights: str, model_cfg):
 
 
 def _write_run(run_dir: str, cfg, tok_bytes: bytes, model, step: int, export_dir: str) -> str:
-    from nagmoe.checkpoint.run_dir import CONFIG_FILE
+    from nagmoe.rundir.info import CONFIG_FILE
     from nagmoe.checkpoint.torch_layout import save_checkpoint
     from nagmoe.base.files import write_atomic
     from nagmoe.config.schema import dump_yaml

@@ -105,7 +105,7 @@ def read_run(run_dir: str) -> tuple[Optional[RunRecord], list]:
     metrics nor a checkpoint, or a file that fails its schema (config.yaml, metrics.jsonl, summary.json,
     run_info.json: one message naming the file and field)."""
     from nagmoe.checkpoint import latest_valid_checkpoint
-    from nagmoe.checkpoint.run_dir import CONFIG_FILE, SUMMARY_FILE, read_run_info, read_saved_config, read_summary
+    from nagmoe.rundir.info import CONFIG_FILE, SUMMARY_FILE, read_run_info, read_saved_config, read_summary
     from nagmoe.rundir.metrics import METRICS_FILE, read_metrics
 
     where = one_line(run_dir, 500)  # the dir as the Problems section names it: one bounded line

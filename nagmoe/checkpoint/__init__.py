@@ -1,5 +1,6 @@
-"""Checkpoints, for every engine and every command, in one package (nothing here imports nagmoe.train or
-nagmoe.parallel: the engines and commands import from it).
+"""Checkpoints, for every engine and every command, in one package: the formats only (nothing here imports
+nagmoe.train or nagmoe.parallel: the engines and commands import from it). The run dir around them, its names,
+config, provenance and lease, is nagmoe/rundir/, which this package imports and never the reverse.
 
   files.py            the shared step_N/ layout: names, hashing, manifest verification, listing, state.json
   publish.py          the end of every save: state.json + manifest, atomic rename, pruning old checkpoints
@@ -9,7 +10,6 @@ nagmoe.parallel: the engines and commands import from it).
   rng.py              every RNG state as JSON; which state a rank restores on another world size
   resume.py           which checkpoint a run resumes from (newest valid; refusing to start over silently), and
                       the layout it was saved on (another one: resharded by the torch engine, refused on DeepSpeed)
-  run_dir.py          the run dir's config, provenance and summary files; resume config checks
   reader.py           one reader for both layouts: the whole model in one process
   consolidate.py      one single-file checkpoint (consolidated.pt) from either layout
 """

@@ -22,7 +22,7 @@ from torch import nn
 
 from nagmoe.checkpoint.reader import load_model_weights
 from nagmoe.checkpoint.resume import latest_valid_checkpoint
-from nagmoe.checkpoint.run_dir import CONFIG_FILE, read_saved_config
+from nagmoe.rundir.info import CONFIG_FILE, read_saved_config
 from nagmoe.config import Config, config_from_dict, to_dict
 from nagmoe.base.errors import UserError
 from nagmoe.model import build_model

@@ -101,7 +101,7 @@ def saved_layout(path: str, run_dir: str) -> dict:
     checkpoint's own record (state.json "layout"; a checkpoint older than that record: its number of RNG
     states and the run dir's parallel.ep); train.micro_batch_tokens is the run dir's config.yaml, i.e. the
     last start's (a resume refused here has not written it)."""
-    from nagmoe.checkpoint.run_dir import read_saved_config
+    from nagmoe.rundir.info import read_saved_config
 
     state = read_checkpoint_state(path)  # checked: `rng` a list, `layout` an object of integers (else UserError)
     layout = state.get("layout") or {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from nagmoe.base.errors import UserError
 from nagmoe.base.environment import check_start_settings
-from nagmoe.run_permissions import add_accept_config_change, refuse_force
+from nagmoe.rundir.permissions import add_accept_config_change, refuse_force
 
 
 def add_arguments(p):
@@ -36,7 +36,7 @@ def add_arguments(p):
     s.add_argument("--job-name", default=None, help="job name prefix (default: the experiment's name)")
     s.add_argument("--signal-seconds", type=int, default=120, help="USR1 this long before the time limit")
     s.add_argument("--sbatch-arg", action="append", default=[], metavar="OPTION", help="extra #SBATCH option")
-    add_accept_config_change(s)  # rendered with each config's sha256 (nagmoe/run_permissions.py)
+    add_accept_config_change(s)  # rendered with each config's sha256 (nagmoe/rundir/permissions.py)
     s.add_argument("--despite-live-job", action="store_true",
                    help="submit another config although a job of that run dir is still pending or running")
 

@@ -19,7 +19,7 @@ def _executed(args, cfg):
     if args.run_dir is not None:
         import os
 
-        from nagmoe.checkpoint.run_dir import read_summary
+        from nagmoe.rundir.info import read_summary
 
         summary = read_summary(args.run_dir)  # the fields used here checked (a bad one: UserError)
         if summary is None:

@@ -16,7 +16,7 @@ from nagmoe.commands.common import add_config_arguments, config_from_args
 from nagmoe.base.errors import UserError
 from nagmoe.rundir.names import PREFLIGHT_DIR, SLURM_DIR, SUMMARY_FILE
 from nagmoe.base.environment import check_start_settings
-from nagmoe.run_permissions import add_accept_config_change, refuse_force
+from nagmoe.rundir.permissions import add_accept_config_change, refuse_force
 
 
 def add_arguments(p):
@@ -43,7 +43,7 @@ def add_arguments(p):
                         "checkpoint at most N times, never without a new checkpoint since the last restart")
     s.add_argument("--sbatch-arg", action="append", default=[], metavar="OPTION",
                    help="extra #SBATCH option, verbatim (repeatable), e.g. --sbatch-arg=--exclusive")
-    add_accept_config_change(s)  # rendered into the script with the config's sha256 (nagmoe/run_permissions.py)
+    add_accept_config_change(s)  # rendered into the script with the config's sha256 (nagmoe/rundir/permissions.py)
     s.add_argument("--despite-live-job", action="store_true",
                    help="submit another config although a job of this run dir is still pending or running")
     s.add_argument("--gpu-memory", type=float, default=80.0, metavar="GB",

@@ -1,6 +1,6 @@
 """`nagmoe train --config PATH [--run-dir DIR] [key.sub=value ...]`: train, resuming from the latest valid
 checkpoint in the run dir; only the schedule-length keys and the layout (parallel.ep, train.micro_batch_tokens,
-the world size) may differ on resume unless --accept-config-change (nagmoe/run_permissions.py: --take-over,
+the world size) may differ on resume unless --accept-config-change (nagmoe/rundir/permissions.py: --take-over,
 --start-over; plain --force is refused).
 
 Distributed: under torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or one srun task per rank (SLURM_*), e.g.
@@ -10,7 +10,7 @@ import os
 
 from nagmoe.commands.common import add_config_arguments, config_from_args, launched_process_group
 from nagmoe.base.environment import check_start_settings
-from nagmoe.run_permissions import add_train_permissions, check_config_sha256, refuse_force
+from nagmoe.rundir.permissions import add_train_permissions, check_config_sha256, refuse_force
 
 
 def add_arguments(p):

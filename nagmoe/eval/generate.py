@@ -33,7 +33,7 @@ def load_run(run_dir: str, device: str = "cpu", checkpoint: Optional[str] = None
     from nagmoe.data.tokenizer import bos_id, check_vocab, load_tokenizer
     from nagmoe.model import build_model
     from nagmoe.checkpoint import latest_valid_checkpoint, load_model_weights
-    from nagmoe.checkpoint.run_dir import CONFIG_FILE, read_saved_config
+    from nagmoe.rundir.info import CONFIG_FILE, read_saved_config
 
     if not os.path.isdir(run_dir):
         raise UserError(f"--run-dir: {run_dir} is not a directory")

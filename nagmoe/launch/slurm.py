@@ -217,7 +217,7 @@ def render_train_script(opts: SlurmOptions, run_dir: str, config_sha256: Optiona
     `config_sha256`: the submitted config's; the script trains the pinned RUN_DIR/slurm/config-<sha12>.yaml
     and `nagmoe train` checks the hash (nagmoe.launch.pinned_config). Never --take-over or --start-over."""
     from nagmoe.launch.pinned_config import pinned_name
-    from nagmoe.run_permissions import script_train_args
+    from nagmoe.rundir.permissions import script_train_args
 
     opts.validate()
     run_dir = os.path.abspath(run_dir)
@@ -298,7 +298,7 @@ def check_resume_config(run_dir: str, config_yaml: str, accept_config_change: bo
     """Refuse at submission what the trainer would refuse at start: resuming a run dir that has checkpoints
     with a config that differs beyond the schedule-length and layout keys."""
     from nagmoe.config import config_from_dict, yaml_load
-    from nagmoe.checkpoint.run_dir import read_saved_config, resume_differences
+    from nagmoe.rundir.info import read_saved_config, resume_differences
 
     ckpts = os.path.join(run_dir, CHECKPOINTS)
     if accept_config_change or not (os.path.isdir(ckpts) and os.listdir(ckpts)):

@@ -41,14 +41,14 @@ from nagmoe.parallel.grad_sync import clip_grad_norm_, named_params, sync_expert
 from nagmoe.parallel.mesh import ParallelMesh
 from nagmoe.parallel.env import rank_hosts
 from nagmoe.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
-from nagmoe.checkpoint.lease import RunDirLease, fence_on_all_ranks
+from nagmoe.rundir.lease import RunDirLease, fence_on_all_ranks
 from nagmoe.model.moe import GlobalBalance
 from nagmoe.model.router_health import moe_layers
 from nagmoe.train.mod_accounting import ModAccount
 from nagmoe.train.router_accounting import RouterAccounting
 from nagmoe.base.environment import check_start_settings, describe_environment
 from nagmoe.train.export_at_end import check_available as check_export_available, export_at_end
-from nagmoe.train.wandb_id import ensure_wandb_id
+from nagmoe.rundir.wandb_id import ensure_wandb_id
 from nagmoe.train.wandb_mode import start_wandb, wandb_record
 from nagmoe.rundir.metrics import MetricsWriter, check_metrics_steps, truncate_metrics
 from nagmoe.train.optim import build_optimizers
@@ -59,7 +59,7 @@ from nagmoe.train.guards import (
 from nagmoe.train.preemption import PreemptionWatch
 from nagmoe.train.hang_watchdog import start_watchdog
 from nagmoe.train.precision_context import TrainingPrecision, reusable_autocast
-from nagmoe.checkpoint.run_dir import (adopt_legacy_values, prepare_run_dir, read_run_info, update_run_info,
+from nagmoe.rundir.info import (adopt_legacy_values, prepare_run_dir, read_run_info, update_run_info,
                                       write_run_info, write_summary)
 from nagmoe.train.backends_ran import collect as collect_backends_ran, merge as merge_backends_ran
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
@@ -117,7 +117,7 @@ class Trainer:
                  mesh: Optional[ParallelMesh] = None, eager_memory_estimate: Optional[int] = None):
         """`mesh`: the distributed layout (nagmoe.parallel.mesh.ParallelMesh). Without one: the initialised
         process group's layout when there is one and `world_size` is left at 1, else `rank`/`world_size`.
-        The three permissions are `nagmoe train`'s flags of the same names (nagmoe/run_permissions.py).
+        The three permissions are `nagmoe train`'s flags of the same names (nagmoe/rundir/permissions.py).
         `eager_memory_estimate`: bytes per rank of a memory estimate made ahead for this layout, for the refusal
         of an eager CUDA layout that cannot fit (None: estimated here, minutes of CPU at paper width)."""
         check_start_settings()  # every NAGMOE_* setting and job variable: one line now, not hours in
@@ -155,7 +155,7 @@ class Trainer:
                 raise UserError(refusal)
 
         self._check_data()
-        # one trainer per run dir (nagmoe.checkpoint.lease), taken before anything in it is read or written
+        # one trainer per run dir (nagmoe.rundir.lease), taken before anything in it is read or written
         self.routing = RouterAccounting()  # per step, per log interval, the expert bias's update
         self.lease = None
         mesh.on_rank0(lambda: self._take_lease(take_over))
@@ -273,7 +273,7 @@ class Trainer:
     def fence(self) -> None:
         """Collective, before each checkpoint publish, metrics write and summary.json: rank 0 confirms the lease is
         still ours; if another trainer took it over, every rank raises the same UserError (exit 2) and nothing
-        more is written (nagmoe.checkpoint.lease)."""
+        more is written (nagmoe.rundir.lease)."""
         fence_on_all_ranks(self.mesh, self.lease)
 
     def release_lease(self) -> None:

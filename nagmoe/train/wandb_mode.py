@@ -74,7 +74,7 @@ def start_wandb(cfg, run_dir: str):
             return None
         raise UserError(f"log.wandb={setting} needs wandb: pip install 'nagmoe[wandb]'") from None
     from nagmoe.config import to_dict
-    from nagmoe.train.wandb_id import read_wandb_id
+    from nagmoe.rundir.wandb_id import read_wandb_id
 
     mode, why_offline = resolve_wandb_mode(setting)  # auto: online only with credentials and an answer
     if why_offline is not None:

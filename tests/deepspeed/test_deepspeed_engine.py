@@ -302,7 +302,7 @@ def test_deepspeed_resume_continues_the_exact_trajectory(session):
 def test_deepspeed_checkpoint_reads_back_as_one_model(session):
     from nagmoe.model import build_model
     from nagmoe.checkpoint import deepspeed_model_state, latest_valid_checkpoint
-    from nagmoe.checkpoint.run_dir import read_saved_config
+    from nagmoe.rundir.info import read_saved_config
 
     tmp, results = session
     run_dir = os.path.join(tmp, "zero2")
@@ -330,7 +330,7 @@ def same_run_as_torch_checkpoint(ds_run: str, torch_run: str) -> str:
     """A torch-engine run dir holding the DeepSpeed run's full state (deepspeed_model_state) as a DCP
     checkpoint of the same step and progress; its config differs only in parallel.engine."""
     from nagmoe.checkpoint import deepspeed_model_state, latest_valid_checkpoint, read_checkpoint_state, save_checkpoint
-    from nagmoe.checkpoint.run_dir import read_saved_config
+    from nagmoe.rundir.info import read_saved_config
     from nagmoe.config import dump_yaml
     from nagmoe.model import build_model
 

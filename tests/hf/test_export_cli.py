@@ -167,7 +167,7 @@ class _no_raise:
 
 def _resume(run_dir, *overrides):
     from nagmoe.config import config_from_dict
-    from nagmoe.checkpoint.run_dir import read_saved_config
+    from nagmoe.rundir.info import read_saved_config
     from nagmoe.config.schema import to_dict
     from nagmoe.train.trainer import Trainer
 

@@ -231,7 +231,7 @@ def test_changing_the_global_batch_on_resume_is_refused_with_one_line(reference,
 def test_a_layout_change_on_the_deepspeed_engine_is_refused_with_one_line(tmp_path, micro_overrides):
     """The DeepSpeed engine resumes on the layout it saved on only: refused before anything is built."""
     from nagmoe.checkpoint.resume import check_resume_layout
-    from nagmoe.checkpoint.run_dir import prepare_run_dir
+    from nagmoe.rundir.info import prepare_run_dir
     from nagmoe.base.errors import UserError
 
     saved = load([*micro_overrides, "parallel.engine=deepspeed", "train.optimizer=adamw", "parallel.ep=2",

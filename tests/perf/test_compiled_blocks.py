@@ -112,7 +112,7 @@ def test_compiled_trainer_step_equals_eager(micro_config, tmp_path, monkeypatch)
 
 
 def test_compile_setting_values_and_migration(micro_config, tmp_path):
-    from nagmoe.checkpoint.run_dir import config_differences
+    from nagmoe.rundir.info import config_differences
     from nagmoe.config import LEGACY_VALUES, config_from_dict, load_config, to_dict
 
     assert micro_config().train.compile == "auto"  # the default of a new run: on for CUDA, off for CPU

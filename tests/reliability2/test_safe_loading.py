@@ -34,7 +34,7 @@ def checkpoint_copy(trained_run, tmp_path):
     run_dir = str(tmp_path / "run")
     shutil.copytree(os.path.join(trained_run, "run"), run_dir)
     from nagmoe.model import build_model
-    from nagmoe.checkpoint.run_dir import read_saved_config
+    from nagmoe.rundir.info import read_saved_config
 
     cfg = read_saved_config(run_dir)
     return latest_valid_checkpoint(run_dir), build_model(cfg.model)

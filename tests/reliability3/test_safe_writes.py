@@ -268,8 +268,8 @@ def _writers(the_run, micro_args):
     """name -> (write(run_dir), [names it used to write through], [names the forced writer tries first])."""
     from nagmoe.analysis import figures
     from nagmoe.checkpoint.consolidate import consolidate_run
-    from nagmoe.checkpoint.lease import RunDirLease
-    from nagmoe.checkpoint.run_dir import prepare_run_dir, read_saved_config, write_run_info, write_summary
+    from nagmoe.rundir.lease import RunDirLease
+    from nagmoe.rundir.info import prepare_run_dir, read_saved_config, write_run_info, write_summary
     from nagmoe.checkpoint.torch_layout import save_checkpoint
     from nagmoe.rundir.metrics import truncate_metrics
 
@@ -319,7 +319,7 @@ def test_the_writer_forced_onto_a_planted_name_does_not_follow_it(writer, victim
 
 
 def test_a_writer_that_only_meets_planted_names_fails_cleanly(victim, tmp_path, monkeypatch):
-    from nagmoe.checkpoint.run_dir import write_summary
+    from nagmoe.rundir.info import write_summary
 
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)

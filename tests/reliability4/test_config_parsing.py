@@ -112,7 +112,7 @@ def test_a_core_yaml_with_duplicate_keys_is_refused(tmp_path):
 
 @pytest.mark.parametrize("text", [b"model:\n  d_model: [", b"\xff\xfe", b"model: " + b"[" * 5000, BOMB7.encode()])
 def test_a_torn_or_foreign_saved_config_is_one_line(text, tmp_path):
-    from nagmoe.checkpoint.run_dir import read_saved_config
+    from nagmoe.rundir.info import read_saved_config
 
     write(tmp_path, "config.yaml", text)
     with pytest.raises(UserError) as e:

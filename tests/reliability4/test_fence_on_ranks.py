@@ -17,7 +17,7 @@ def save_after_takeover(run_dir: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from nagmoe.checkpoint.lease import RunDirLease, fence_on_all_ranks
+    from nagmoe.rundir.lease import RunDirLease, fence_on_all_ranks
     from nagmoe.checkpoint.torch_layout import save_checkpoint
     from nagmoe.base.errors import UserError
     from nagmoe.parallel.mesh import ParallelMesh

@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from nagmoe.checkpoint.lease import LEASE_FILE, RunDirLease, read_lease
+from nagmoe.rundir.lease import LEASE_FILE, RunDirLease, read_lease
 from nagmoe.base.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STALE_S = 60
 HOLDER = """
 import sys, time
-from nagmoe.checkpoint.lease import RunDirLease
+from nagmoe.rundir.lease import RunDirLease
 lease = RunDirLease(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(30)

@@ -130,7 +130,7 @@ def _readers():
     from nagmoe.checkpoint.files import read_checkpoint_state, verify_checkpoint
     from nagmoe.checkpoint.reader import checkpoint_format
     from nagmoe.checkpoint.resume import saved_layout
-    from nagmoe.checkpoint.run_dir import read_run_info, read_summary, update_run_info, write_run_info
+    from nagmoe.rundir.info import read_run_info, read_summary, update_run_info, write_run_info
     from nagmoe.rundir.metrics import read_metrics, truncate_metrics
     from nagmoe.train.preemption import read_marker
 

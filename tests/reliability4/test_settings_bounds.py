@@ -75,7 +75,7 @@ def test_sub_second_and_boundary_values_are_accepted():
 
 def test_the_lease_refuses_the_intervals_before_it_starts_a_thread(clean_env, tmp_path):
     """The lease itself reads the bounded intervals (an API user's Trainer gets the same line)."""
-    from nagmoe.checkpoint.lease import RunDirLease
+    from nagmoe.rundir.lease import RunDirLease
     from nagmoe.base.errors import UserError
 
     clean_env.setenv("NAGMOE_LEASE_REFRESH_S", "1e10")

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from nagmoe.base.errors import UserError
-from nagmoe.train.wandb_id import WANDB_ID_FILE, ensure_wandb_id, read_wandb_id
+from nagmoe.rundir.wandb_id import WANDB_ID_FILE, ensure_wandb_id, read_wandb_id
 
 
 def test_two_experiments_same_run_name_get_two_ids(tmp_path):

@@ -48,7 +48,7 @@ def test_an_old_checkpoint_evaluates_consolidates_and_resumes(old_run, tmp_path,
 
     from nagmoe.checkpoint import latest_valid_checkpoint
     from nagmoe.checkpoint.consolidate import load_consolidated
-    from nagmoe.checkpoint.run_dir import read_saved_config
+    from nagmoe.rundir.info import read_saved_config
     from nagmoe.rundir.metrics import read_metrics
 
     run_dir, args = old_run

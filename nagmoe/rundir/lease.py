@@ -11,7 +11,7 @@ saves, evaluates or compiles. A second trainer exits 2 naming the holder. The le
     its holder process is gone (same host, pid not alive): two `srun nagmoe train` steps of one allocation
     share a job id and must not take each other's lease,
   * its holder is a process of this host that no longer exists (a kill -9 and an immediate restart),
-  * or with `--take-over` (nagmoe.run_permissions).
+  * or with `--take-over` (nagmoe.rundir.permissions).
 
 Staleness is judged by the newer of the refresh time written in the file and the file's mtime, so a clock
 difference between nodes only matters beyond that margin; a time in the future within the stale interval is
