@@ -91,7 +91,7 @@ def yaml_cases(n: int, tmp_path):
 
 
 def export_config_cases(n: int, tmp_path):
-    from nagmoe.hf_import import read_export_config
+    from nagmoe.hf.importer import read_export_config
 
     base = {"model_type": "nagmoe", "nagmoe_model": {}, "seq_len": 64, "precision": "uniform"}
     for i, change in enumerate([{"model_type": "x" * n}, {"nagmoe_model": ["x"] * n}, {"seq_len": "x" * n},
@@ -105,7 +105,7 @@ def export_config_cases(n: int, tmp_path):
 
 
 def header_cases(n: int, tmp_path):
-    from nagmoe.safetensors_header import read_header
+    from nagmoe.hf.safetensors_header import read_header
 
     for i, header in enumerate([{"t" * n: {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
                                 {"t": {"dtype": "x" * n, "shape": [1], "data_offsets": [0, 4]}},

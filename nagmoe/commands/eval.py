@@ -98,7 +98,7 @@ def run(args) -> int:
 
 def run_lm_eval(args) -> int:
     """lm-evaluation-harness over the run (the registered model `nagmoe`, nagmoe/eval/lm_eval_model.py)."""
-    from nagmoe.hf_export import require_transformers
+    from nagmoe.hf.export import require_transformers
 
     require_transformers("--lm-eval")
     from nagmoe.eval.lm_eval_model import NagmoeLM, bos_convention, parse_model_args

@@ -1,5 +1,5 @@
 """`nagmoe export-hf --run-dir R --out DIR [--checkpoint P] [--dtype float32|bfloat16] [--skip-rate r]
-[--no-validate]`: the run's model as a self-contained Hugging Face model (nagmoe/hf_export.py). A non-empty
+[--no-validate]`: the run's model as a self-contained Hugging Face model (nagmoe/hf/export.py). A non-empty
 --out is refused; the export is checked in a process without nagmoe before it is moved to --out (exit 1 and
 nothing at --out when it does not reproduce the run)."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ def add_arguments(p):
 def run(args) -> int:
     if args.skip_rate is not None and not 0.0 <= args.skip_rate < 1.0:
         raise UserError(f"--skip-rate: {args.skip_rate} must be in [0, 1)")
-    from nagmoe.hf_export import ExportCheckFailed, export_run
+    from nagmoe.hf.export import ExportCheckFailed, export_run
 
     try:
         result = export_run(args.run_dir, args.out, args.checkpoint, args.dtype, args.skip_rate,

@@ -1,5 +1,5 @@
 """`nagmoe import-hf DIR --run-dir OUT`: a nagmoe Hugging Face export back into a run dir for `eval` and
-`generate` (nagmoe/hf_import.py). Only config.json, tokenizer.json and model.safetensors are read; DIR's Python
+`generate` (nagmoe/hf/importer.py). Only config.json, tokenizer.json and model.safetensors are read; DIR's Python
 never runs."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from nagmoe.hf_export import require_transformers
-    from nagmoe.hf_import import import_export
+    from nagmoe.hf.export import require_transformers
+    from nagmoe.hf.importer import import_export
 
     require_transformers("import-hf")
     checkpoint = import_export(args.export_dir, args.run_dir)

@@ -1,3 +1,9 @@
-"""The Hugging Face model files that `nagmoe export-hf` ships with every export (remote code): they import the
-standard library, torch, transformers and each other only, never nagmoe (tests/hf/test_self_contained.py).
-`nag_math.py` is a byte copy of nagmoe/ops/nag_math.py (a test keeps them equal). This `__init__` is not shipped."""
+"""Hugging Face interop (issue 54): a trained run leaves as a Hugging Face model and comes back.
+
+  export.py              `nagmoe export-hf`: the run's model as safetensors + the remote code, checked in a
+                         process where nagmoe cannot be imported
+  importer.py            `nagmoe import-hf`: an export back into a run dir, every tensor checked before loading
+  check.py               the export's check script (transformers only, no nagmoe)
+  safetensors_header.py  the importer's bounded reader of a safetensors header
+  remote/                the files shipped with every export (auto_map names them; the names never change)
+"""

@@ -1,5 +1,5 @@
 """`train.export_hf_at_end`: after the final checkpoint, rank 0 exports the run's model to RUN_DIR/hf
-(nagmoe/hf_export.py, checked without nagmoe like `nagmoe export-hf`). A failed export is a one-line warning:
+(nagmoe/hf/export.py, checked without nagmoe like `nagmoe export-hf`). A failed export is a one-line warning:
 the run trained and checkpointed, so its exit status does not change. An export already at RUN_DIR/hf (a run
 resumed and trained further) is replaced only once the new one has passed its check."""
 from __future__ import annotations
@@ -17,14 +17,14 @@ from nagmoe.rundir.names import EXPORT_DIR
 def check_available(cfg) -> None:
     """At the start, not hours later: the option needs the `hf` extra (UserError, one line)."""
     if cfg.train.export_hf_at_end:
-        from nagmoe.hf_export import require_transformers
+        from nagmoe.hf.export import require_transformers
 
         require_transformers("train.export_hf_at_end")
 
 
 def export_at_end(run_dir: str, quiet: bool = False) -> bool:
     """Export to RUN_DIR/hf; True when it was written (and checked), False with a warning otherwise."""
-    from nagmoe.hf_export import export_run
+    from nagmoe.hf.export import export_run
 
     final = os.path.join(run_dir, EXPORT_DIR)
     fresh = os.path.join(run_dir, f".{EXPORT_DIR}.new-{secrets.token_hex(4)}")

@@ -108,9 +108,9 @@ def native_model(name: str):
 
 def hf_model(cfg, model, dtype: torch.dtype = torch.float32):
     """The in-process HF model of a native one through the exporter's own mapping (identity keys, role cast)."""
-    from nagmoe.hf.configuration_nagmoe import NagMoeConfig
-    from nagmoe.hf.modeling_nagmoe import NagMoeForCausalLM
-    from nagmoe.hf_export import export_state, layout_of
+    from nagmoe.hf.remote.configuration_nagmoe import NagMoeConfig
+    from nagmoe.hf.remote.modeling_nagmoe import NagMoeForCausalLM
+    from nagmoe.hf.export import export_state, layout_of
     from nagmoe.config.schema import to_dict
 
     hf = NagMoeForCausalLM(NagMoeConfig(nagmoe_model=to_dict(cfg.model), layout=layout_of(model),
@@ -126,7 +126,7 @@ def hf_model(cfg, model, dtype: torch.dtype = torch.float32):
 
 @torch.no_grad()
 def hf_outputs(hf, ids_BT: torch.Tensor) -> dict:
-    """The HF model's logits, expert choices (all tokens) and MoD masks, keyed as nagmoe.hf_export.native_outputs."""
+    """The HF model's logits, expert choices (all tokens) and MoD masks, keyed as nagmoe.hf.export.native_outputs."""
     out = {"logits": hf(ids_BT, use_cache=False).logits.float()}
     for i, block in enumerate(hf.model.blocks):
         if getattr(block.ffn, "last_choices", None) is not None:

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from nagmoe.cli import main
-from nagmoe.hf_export import PREFIX
+from nagmoe.hf.export import PREFIX
 
 
 def native_run(run_dir, checkpoint=None):
@@ -122,7 +122,7 @@ def test_a_legacy_precision_run_is_refused_in_one_line(exported_run, tmp_path, c
 def test_an_export_that_does_not_reproduce_the_run_leaves_nothing(exported_run, tmp_path, monkeypatch, capsys):
     """The shipped modeling code with RoPE's sine sign flipped: the check (in its own process) must catch it, exit 1
     and leave neither --out nor a temporary behind."""
-    import nagmoe.hf_export as hf_export
+    import nagmoe.hf.export as hf_export
 
     run_dir, _ = exported_run
     broken = tmp_path / "hf_broken"
@@ -192,7 +192,7 @@ def test_export_hf_at_end_writes_run_dir_hf_after_the_final_checkpoint(exported_
 
 
 def test_a_failed_export_at_the_end_only_warns(exported_run, tmp_path, monkeypatch, capsys):
-    import nagmoe.hf_export as hf_export
+    import nagmoe.hf.export as hf_export
 
     run_dir, _ = exported_run
     copy = str(tmp_path / "run")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nagmoe.hf_export import PREFIX
+from nagmoe.hf.export import PREFIX
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parallel"))
 from gloo_ranks import run_on_ranks  # noqa: E402

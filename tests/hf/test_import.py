@@ -118,7 +118,7 @@ def test_a_non_empty_run_dir_is_refused(exported_run, tmp_path, capsys):
 
 def test_import_leaves_torchs_global_generator_alone(exported_run, tmp_path):
     """A library call must not reseed the caller's RNG (the weights come from the file, not a draw)."""
-    from nagmoe.hf_import import import_export
+    from nagmoe.hf.importer import import_export
 
     _, out = exported_run
     torch.manual_seed(1234)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import hf_variants as V
-from nagmoe.hf import layers_nagmoe, modeling_nagmoe
-from nagmoe.hf_export import native_outputs
+from nagmoe.hf.remote import layers_nagmoe, modeling_nagmoe
+from nagmoe.hf.export import native_outputs
 from test_parity import MAX_LOGP, parity, same_decisions
 
 CAUGHT = 1e-2

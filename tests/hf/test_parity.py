@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hf_variants as V
-from nagmoe.hf_export import PREFIX, native_outputs
+from nagmoe.hf.export import PREFIX, native_outputs
 
 MAX_LOGP, MAX_KL, GAP = 1e-4, 1e-9, 1e-5
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import hf_variants as V
-from nagmoe.hf_export import CHECK_SCRIPT, HF_DIR, HF_FILES, compare, native_outputs, run_check
+from nagmoe.hf.export import CHECK_SCRIPT, HF_DIR, HF_FILES, compare, native_outputs, run_check
 
 ALLOWED_ROOTS = {"torch", "transformers"}
 
@@ -46,7 +46,7 @@ def test_the_import_check_sees_a_nagmoe_import(tmp_path):
 
 
 def test_nag_math_is_nagmoes_byte_for_byte(repo_root):
-    """One source for the equations: regenerate with `cp nagmoe/ops/nag_math.py nagmoe/hf/nag_math.py`."""
+    """One source for the equations: regenerate with `cp nagmoe/ops/nag_math.py nagmoe/hf/remote/nag_math.py`."""
     with open(os.path.join(repo_root, "nagmoe", "ops", "nag_math.py"), "rb") as a, open(os.path.join(HF_DIR, "nag_math.py"),
                                                                                 "rb") as b:
         assert a.read() == b.read()

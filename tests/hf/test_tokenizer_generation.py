@@ -44,7 +44,7 @@ def test_another_bos_spelling_is_kept(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from nagmoe.eval.generate import LoadedRun
-    from nagmoe.hf_export import hf_tokenizer
+    from nagmoe.hf.export import hf_tokenizer
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -101,8 +101,8 @@ def check_weights_header(weights: str, model_cfg) -> dict:
     first (no model is built for a file that cannot be its weights), then names, shapes and dtypes. Returns the
     expected {key: meta tensor}."""
     from nagmoe.config.flops import param_counts
-    from nagmoe.hf_export import PREFIX
-    from nagmoe.safetensors_header import read_header, total_elements
+    from nagmoe.hf.export import PREFIX
+    from nagmoe.hf.safetensors_header import read_header, total_elements
 
     where = shown(weights)
     entries = read_header(weights)
@@ -174,7 +174,7 @@ def load_weights(weights: str, model_cfg):
     allowed dtypes), one tensor at a time (the peak is the model plus one tensor, not two models)."""
     from safetensors import SafetensorError, safe_open
 
-    from nagmoe.hf_export import PREFIX
+    from nagmoe.hf.export import PREFIX
     from nagmoe.model import build_model
 
     model = build_model(model_cfg, seed=0)  # every tensor is overwritten below; the caller's RNG stays as it was

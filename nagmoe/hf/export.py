@@ -30,8 +30,8 @@ from nagmoe.base.errors import UserError, shown
 from nagmoe.base.files import atomic_writer, make_temp_dir, write_atomic
 
 HF_FILES = ("configuration_nagmoe.py", "modeling_nagmoe.py", "layers_nagmoe.py", "nag_math.py")
-HF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf")
-CHECK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_check.py")
+HF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote")
+CHECK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "check.py")
 PREFIX = "model."
 LOW_PRECISION_ROLES = ("matrix", "embedding", "unembedding")  # what a bf16 export casts
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -92,7 +92,7 @@ def export_state(model, dtype: torch.dtype) -> dict:
 
 
 def hf_config(run, layout: dict, source: dict):
-    from nagmoe.hf.configuration_nagmoe import NagMoeConfig
+    from nagmoe.hf.remote.configuration_nagmoe import NagMoeConfig
     from nagmoe.config.schema import to_dict
 
     cfg = run.config
@@ -250,9 +250,9 @@ def compare(native: dict, hf: dict, dtype: str) -> list[str]:
 
 
 def run_check(export_dir: str, ids_BT: torch.Tensor, workdir: str) -> dict:
-    """The check script (nagmoe/hf_check.py) in a fresh process: nagmoe blocked, hub offline, its own module
+    """The check script (nagmoe/hf/check.py) in a fresh process: nagmoe blocked, hub offline, its own module
     cache; returns what it computed."""
-    from nagmoe.hf_check import parse_result
+    from nagmoe.hf.check import parse_result
 
     rows = os.path.join(workdir, "rows.pt")
     with atomic_writer(rows, binary=True) as f:
@@ -289,7 +289,7 @@ def export_run(run_dir: str, out: str, checkpoint: Optional[str] = None, dtype: 
         raise UserError(f"--dtype: {shown(dtype)} is not one of {', '.join(DTYPES)}")
     check_out_dir(out)
     from nagmoe.eval.generate import load_run, set_skip_rate
-    from nagmoe.hf.modeling_nagmoe import NagMoeForCausalLM
+    from nagmoe.hf.remote.modeling_nagmoe import NagMoeForCausalLM
 
     run = load_run(run_dir, "cpu", checkpoint)
     if run.config.train.precision != "uniform":

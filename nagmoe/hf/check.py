@@ -1,7 +1,7 @@
 """Run as a script by `nagmoe export-hf` (and the tests): load an export the way a user who never heard of nagmoe
 does, in a process where `import nagmoe` fails and the hub is offline, and write what it computes.
 
-    python hf_check.py EXPORT_DIR ROWS.pt
+    python check.py EXPORT_DIR ROWS.pt
 
 ROWS.pt: {"ids": (B, T) int64}. The result goes to stdout as one line, RESULT_MARK + base64 of a torch.save of
 {"logits": (B, T, V) fp32, "loading_info": {...}, "dtypes": {key: dtype name}, "choices.<layer>": (B·T, k)
