@@ -1,4 +1,4 @@
-"""Experiment files (`nagmoe/experiment.py`) and `nagmoe experiment`: the file's checks, how a run's config is
+"""Experiment files (`nagmoe/launch/experiment.py`) and `nagmoe experiment`: the file's checks, how a run's config is
 resolved (shared budget, seed, overrides, run dir), the shipped experiments are FLOP-matched as their comments
 say, local training skips finished runs, `--slurm --dry-run` lists the jobs, the afterany dependency and the
 shared budget, and one real submission on the local Slurm test cluster (tests/slurm/slurm_cluster.py) ends
@@ -13,7 +13,7 @@ import pytest
 
 from nagmoe.config import load_config
 from nagmoe.base.errors import UserError
-from nagmoe.experiment import load_experiment
+from nagmoe.launch.experiment import load_experiment
 from nagmoe.flops import flops_per_token
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

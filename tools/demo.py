@@ -19,7 +19,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from nagmoe import experiment as ex  # noqa: E402
+from nagmoe.launch import experiment as ex  # noqa: E402
 from nagmoe.data.bpb import unigram_bpb  # noqa: E402
 from nagmoe.data.prepare import ensure_prepared  # noqa: E402
 from nagmoe.base.errors import UserError  # noqa: E402

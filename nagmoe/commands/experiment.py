@@ -1,5 +1,5 @@
 """`nagmoe experiment FILE [--only RUN ...] [--runs-root DIR] [--dry-run] [--report-only | --no-report]
-[--slurm [--dry-run] SLURM OPTIONS] [key=value ...]`: a FLOP-matched experiment (format: nagmoe/experiment.py).
+[--slurm [--dry-run] SLURM OPTIONS] [key=value ...]`: a FLOP-matched experiment (format: nagmoe/launch/experiment.py).
 
 Locally every run x seed trains one after another into RUNS_ROOT/NAME/RUN-sSEED/ (finished runs are skipped,
 unfinished ones resume), then the report is written to RUNS_ROOT/NAME/report.html. `--slurm` submits one
@@ -51,7 +51,7 @@ def _slurm_options(args):
 
 
 def run(args) -> int:
-    from nagmoe import experiment as ex
+    from nagmoe.launch import experiment as ex
 
     refuse_force(args)
     check_start_settings(announce=True)  # NAGMOE_* settings and job variables: one line, before any write

@@ -193,7 +193,7 @@ EXPERIMENT = f"name: exp\nflop_budget: 1.0e+15\nseeds: [0]\nruns: {{nag: {{confi
 
 
 def experiment(tmp_path, runs_root, description=""):
-    from nagmoe.experiment import load_experiment
+    from nagmoe.launch.experiment import load_experiment
 
     path = tmp_path / "exp.yaml"
     path.write_text(EXPERIMENT)
@@ -204,7 +204,7 @@ def experiment(tmp_path, runs_root, description=""):
 
 def render_all(tmp_path, opts, run_dir, runs_root):
     """[(name, script, log_dir, log_name)] for every template; UserError propagates."""
-    from nagmoe import experiment as ex
+    from nagmoe.launch import experiment as ex
     from nagmoe.launch import slurm
 
     run_dir = os.path.abspath(run_dir)
@@ -312,7 +312,7 @@ def test_paths_are_rendered_literally_or_refused(field, payload, tmp_path, stubs
 
 def test_a_newline_in_the_runs_root_is_refused_for_the_report_job_alone(tmp_path, monkeypatch):
     """Every run finished: only the report job is rendered, and its --output path is checked like the others."""
-    from nagmoe import experiment as ex
+    from nagmoe.launch import experiment as ex
 
     monkeypatch.chdir(tmp_path)
     root = hostile_dir(tmp_path, "\n#SBATCH --x\ntouch M\n")
@@ -386,7 +386,7 @@ def test_the_report_job_carries_description_and_runs_root_literally(payload, tmp
     """The report job: the experiment's description (any payload, newlines included: it is quoted in the command,
     after the #SBATCH block) and a runs root with `$(...)` and a quote reach `nagmoe report` as they are; before,
     the runs root was shlex.quote'd inside double quotes (`echo "... -> '...'"`), where `$(...)` runs."""
-    from nagmoe import experiment as ex
+    from nagmoe.launch import experiment as ex
 
     monkeypatch.chdir(tmp_path)
     description = f"one {PAYLOADS[payload]} line"
@@ -400,7 +400,7 @@ def test_the_report_job_carries_description_and_runs_root_literally(payload, tmp
 @pytest.mark.parametrize("key", ["name", "run"])
 def test_experiment_and_run_names_with_a_trailing_newline_are_refused(key, tmp_path):
     """`^...$` matched "demo\\n": the name reached the report script's header comment as a second line."""
-    from nagmoe.experiment import load_experiment
+    from nagmoe.launch.experiment import load_experiment
 
     name, run = ("demo\\n", "nag") if key == "name" else ("demo", "nag\\n")
     path = tmp_path / "exp.yaml"
@@ -595,7 +595,7 @@ def test_slurm_files_replace_planted_links_and_keep_the_umask(kind, victim, tmp_
 
 @pytest.mark.parametrize("kind", ["symlink", "hardlink"])
 def test_the_experiment_report_script_replaces_a_planted_link(kind, victim, tmp_path, stubs, monkeypatch):
-    from nagmoe import experiment as ex
+    from nagmoe.launch import experiment as ex
 
     monkeypatch.chdir(tmp_path)
     exp, _ = experiment(tmp_path, tmp_path / "root")

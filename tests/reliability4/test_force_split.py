@@ -76,7 +76,7 @@ def test_launch_does_not_offer_take_over_or_start_over(flag, tmp_path):
 
 
 def test_experiment_scripts_carry_each_runs_config_sha256(tmp_path):
-    from nagmoe import experiment as ex
+    from nagmoe.launch import experiment as ex
     from nagmoe.launch.slurm import SlurmOptions
 
     exp = ex.load_experiment(str(experiment_file(tmp_path)))

@@ -53,7 +53,7 @@ def _rendered(tmp_path, kind):
         assert main(["launch", "slurm", "--config", TINY, "--run-dir", str(run), "--array", "2",
                      "--gpus-per-node", "0"]) == 0
         return _one(run, "prepare_slices.sbatch")
-    from nagmoe.experiment import REPORT_SCRIPT
+    from nagmoe.launch.experiment import REPORT_SCRIPT
 
     return REPORT_SCRIPT.format(name="x", sbatch_lines="", threads=3, out="o", python="p", run_dirs="r",
                                 title="t", description="", eval_items=1, analysis_tokens=1)
