@@ -25,7 +25,6 @@ COMMANDS = {
     "generate": ("generate", "sample from a trained run"),
     "launch": ("launch", "launch on a cluster (slurm)"),
     "preflight": ("preflight", "one rank's part of a preflight job (nagmoe launch slurm --preflight)"),
-    "bench": ("bench", "benchmarks (ratios, written as JSON)"),
     "export-hf": ("export_hf", "the run's model as a self-contained Hugging Face model (remote code)"),
     "import-hf": ("import_hf", "a nagmoe Hugging Face export back into a run dir (eval, generate)"),
     "consolidate": ("consolidate", "one single-file checkpoint (RUN_DIR/consolidated.pt) from a sharded run"),
@@ -38,24 +37,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _load(module_name: str):
-    try:
-        return importlib.import_module(f"nagmoe.commands.{module_name}")
-    except ModuleNotFoundError as e:
-        if e.name == f"nagmoe.commands.{module_name}":
-            return None
-        raise
+    return importlib.import_module(f"nagmoe.commands.{module_name}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nagmoe", description="NAG residual-stream MoE pretraining")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (module_name, help_text) in COMMANDS.items():
-        module = _load(module_name)
-        p = sub.add_parser(name, help=help_text if module else f"{help_text} (not built yet)")
-        if module is not None:
-            module.add_arguments(p)
-        else:
-            p.add_argument("rest", nargs=argparse.REMAINDER)
+        p = sub.add_parser(name, help=help_text)
+        _load(module_name).add_arguments(p)
         p.set_defaults(_module=module_name)
     return parser
 
@@ -75,9 +65,6 @@ def main(argv=None) -> int:
         return 2
     inductor_cache_per_cpu_isa()  # a capped CPU capability compiles into a cache of its own (nagmoe.base.environment)
     module = _load(args._module)
-    if module is None:
-        print(f"nagmoe {args.command}: not built yet in this version (see README status)", file=sys.stderr)
-        return 1
     try:
         return int(module.run(args) or 0)
     except UserError as e:

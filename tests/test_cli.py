@@ -53,3 +53,18 @@ def test_building_the_command_line_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-1000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_every_listed_command_exists_and_no_dead_one_is_listed():
+    """`nagmoe --help` lists what runs (issue 54: it listed a `bench` that did not exist): every command has its
+    module and runs `--help`; a name that is not a command is argparse's one line, exit 2."""
+    from nagmoe.cli import COMMANDS
+
+    listed = nagmoe("--help")
+    assert listed.returncode == 0, listed.stderr
+    for name in COMMANDS:
+        assert f"    {name} " in listed.stdout or f"    {name}\n" in listed.stdout, name
+        r = nagmoe(name, "--help")
+        assert r.returncode == 0 and "usage: nagmoe" in r.stdout, (name, r.stderr[-500:])
+    r = nagmoe("bench")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "invalid choice: 'bench'" in r.stderr
