@@ -20,10 +20,11 @@ def _executed(args, cfg):
         import os
 
         from nagmoe.rundir.info import read_summary
+        from nagmoe.rundir.names import SUMMARY_FILE
 
         summary = read_summary(args.run_dir)  # the fields used here checked (a bad one: UserError)
         if summary is None:
-            raise UserError(f"{shown(os.path.join(args.run_dir, 'summary.json'))}: no summary.json in the run dir")
+            raise UserError(f"{shown(os.path.join(args.run_dir, SUMMARY_FILE))}: no {SUMMARY_FILE} in the run dir")
         fr = summary.get("executed_fractions")
         if fr is None:
             skip = float(summary.get("skip_rate") or 0.0)

@@ -4,7 +4,7 @@ training steps of DIR/slurm/config.yaml in DIR/run, a save and a resume, peak me
 Rank 0 writes DIR/summary.json and prints the verdict (nagmoe/train/preflight.py); exit 1 when a check fails."""
 import os
 
-from nagmoe.rundir.names import CONFIG_FILE, SLURM_DIR
+from nagmoe.rundir.names import CONFIG_FILE, SLURM_DIR, SUMMARY_FILE
 
 
 def add_arguments(p):
@@ -30,5 +30,5 @@ def run(args) -> int:
     if summary is None:
         return 0
     print(format_verdict(summary), flush=True)
-    print(f"summary: {os.path.join(os.path.abspath(args.dir), 'summary.json')}")
+    print(f"summary: {os.path.join(os.path.abspath(args.dir), SUMMARY_FILE)}")
     return 0 if summary["verdict"] == "PASS" else 1
