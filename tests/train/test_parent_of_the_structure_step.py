@@ -2,19 +2,18 @@
 hf_export.py -> hf/export.py, the HF remote-code files into nagmoe/hf/remote/) must go unnoticed by its
 users: a run dir, a checkpoint and a Hugging Face export made by the code of 37865e2 (the step's parent, taken
 from this repository's history with `git archive` and run in its own processes) still resume, evaluate and
-import under today's code. Modelled on test_old_checkpoint.py."""
-import io
+import under today's code (tests/train/old_code.py runs the old code, as for test_old_checkpoint.py)."""
 import json
 import math
 import os
 import shutil
 import subprocess
 import sys
-import tarfile
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from old_code import train_with_old_code, with_todays_config
+
 OLD = "37865e2"  # the parent commit of the structure step
 
 pytestmark = pytest.mark.slow
@@ -22,32 +21,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def old_run(request, tmp_path_factory):
-    """{code, env, run_dir, args}: a micro run trained 2 steps (checkpoint at step 2) by 37865e2's code."""
-    if subprocess.run(["git", "-C", REPO, "cat-file", "-e", f"{OLD}^{{commit}}"], capture_output=True).returncode:
-        pytest.skip(f"{OLD} is not in this clone's history")  # a shallow clone; CI's full clone has it
-    root = tmp_path_factory.mktemp("parent_code")
-    code = root / "code"
-    archive = subprocess.run(["git", "-C", REPO, "archive", OLD, "nagmoe", "configs"], capture_output=True,
-                             check=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(code, filter="data")
-    data_dir, corpus = request.getfixturevalue("micro_data")
-    micro = request.config.pluginmanager.get_plugin(os.path.join(REPO, "tests", "conftest.py")).MICRO_OVERRIDES
-    args = ["--config", str(code / "configs" / "tiny.yaml"), *micro, f"data.corpus={corpus}",
-            f"data.data_dir={data_dir}", "train.checkpoint_every=2", "--quiet"]
-    home = root / "hf_home"  # the old export's HF caches, never the user's; the hub offline
-    env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1", "HF_HOME": str(home),
-           "HF_MODULES_CACHE": str(home / "modules"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    # THE CHECK THAT THE FIXTURES ARE THE PARENT'S: the processes below import the archived package, not this
-    # checkout's (a PYTHONPATH that lost to an installed nagmoe would make this test compare today with today)
-    where = subprocess.run([sys.executable, "-c", "import nagmoe; print(nagmoe.__file__)"], cwd=code, env=env,
-                           capture_output=True, text=True, check=True).stdout.strip()
-    assert where.startswith(str(code)), where  # the old package, not this checkout's
-    run_dir = root / "run"
-    done = subprocess.run([sys.executable, "-m", "nagmoe", "train", "--run-dir", str(run_dir), *args,
-                           "train.max_steps=2"], cwd=code, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {"root": root, "code": code, "env": env, "run_dir": str(run_dir), "args": args}
+    """{root, code, env, run_dir, args}: a micro run trained 2 steps (checkpoint at step 2) by 37865e2's code, which
+    old_code.py checks is the code that ran (not this checkout's)."""
+    home = tmp_path_factory.mktemp("hf_home")  # the old export's HF caches, never the user's; the hub offline
+    return train_with_old_code(OLD, request, tmp_path_factory,
+                               {"HF_HOME": str(home), "HF_MODULES_CACHE": str(home / "modules"),
+                                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +70,7 @@ def test_the_parents_run_dir_resumes(old_run, tmp_path, nagmoe_cli):
     cfg = read_saved_config(run_dir)
     assert cfg is not None and cfg.model.d_model == 32 and cfg.model.moe.n_experts == 4
     assert cfg.train.checkpoint_every == 2 and cfg.train.max_steps == 2
-    # the same arguments with today's config file (the old one lies in the old code's archive)
-    new_args = [os.path.join(REPO, "configs", "tiny.yaml") if a.endswith(os.path.join("configs", "tiny.yaml"))
-                else a for a in old_run["args"]]
-    nagmoe_cli("train", "--run-dir", run_dir, *new_args, "train.max_steps=4")
+    nagmoe_cli("train", "--run-dir", run_dir, *with_todays_config(old_run["args"]), "train.max_steps=4")
     records = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert torch.isfinite(torch.tensor([r["loss"] for r in records])).all()
