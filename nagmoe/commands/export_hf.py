@@ -24,10 +24,13 @@ def run(args) -> int:
     if args.skip_rate is not None and not 0.0 <= args.skip_rate < 1.0:
         raise UserError(f"--skip-rate: {args.skip_rate} must be in [0, 1)")
     from nagmoe.hf.export import ExportCheckFailed, export_run
+    from nagmoe.model.mod_calibration import SkipRateUnavailable
 
     try:
         result = export_run(args.run_dir, args.out, args.checkpoint, args.dtype, args.skip_rate,
                             validate=not args.no_validate)
+    except SkipRateUnavailable as e:
+        raise UserError(f"--skip-rate: {e}") from None
     except ExportCheckFailed as e:
         print(one_line(f"nagmoe export-hf: {e} (nothing written at --out)"), file=sys.stderr)
         return 1

@@ -42,7 +42,12 @@ def run(args) -> int:
     run_ = load_run(args.run_dir, device)
     dial = None
     if args.skip_rate is not None:
-        dial = set_skip_rate(run_, args.skip_rate)
+        from nagmoe.model.mod_calibration import SkipRateUnavailable
+
+        try:
+            dial = set_skip_rate(run_, args.skip_rate)
+        except SkipRateUnavailable as e:
+            raise UserError(f"--skip-rate: {e}") from None
     completion = generate_text(run_, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None,
                                args.seed)
     print(args.prompt + completion)

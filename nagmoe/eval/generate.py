@@ -74,7 +74,7 @@ CALIBRATION_TOKENS = 16384  # validation tokens the dial calibrates on
 
 
 def set_skip_rate(run: LoadedRun, rate: float, tokens: int = CALIBRATION_TOKENS) -> Optional[dict]:
-    """Thresholds that realise skip rate `rate` (MoD runs only; UserError otherwise): read from the run's
+    """Thresholds that realise skip rate `rate` (MoD runs only; SkipRateUnavailable otherwise): read from the run's
     score histograms, then calibrated by a few fixed-point passes on up to `tokens` validation tokens
     (nagmoe.model.mod_calibration.calibrate_skip_rate). Returns the calibration (None when the run's
     validation split is gone: then the histogram quantiles are used as they are)."""

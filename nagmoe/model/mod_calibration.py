@@ -99,6 +99,11 @@ def global_threshold(hist_nK: torch.Tensor, weight_n: torch.Tensor, cap_n: torch
     return torch.where(level <= 0, torch.full_like(level, EXECUTE_ALL), torch.where(reachable, hi, 1.0))
 
 
+class SkipRateUnavailable(ValueError):
+    """The compute dial cannot set this skip rate on this model. The model knows no command line: the commands
+    that take --skip-rate (generate, export-hf) turn it into their one-line UserError."""
+
+
 class MoDCalibrator(nn.Module):
     """Skip thresholds per sublayer from causal score histograms (module docstring).
 
@@ -283,10 +288,10 @@ class MoDCalibrator(nn.Module):
         correction (the scores no longer drift); 0 runs every token. A `fixed`-mode model is dialled with the
         global rule (a dial asks for a rate, not a threshold). Skipping starts at once."""
         if not 0.0 <= rate < 1.0:
-            raise UserError(f"--skip-rate: {rate} must be in [0, 1)")
+            raise SkipRateUnavailable(f"{rate} must be in [0, 1)")
         calibrated = self.histogram.sum(1) > 0
         if rate > 0 and not bool(calibrated[self.eligible].all()):
-            raise UserError("--skip-rate: this model has no score histograms yet (it was never trained with MoD)")
+            raise SkipRateUnavailable("this model has no score histograms yet (it was never trained with MoD)")
         self.skip_rate = float(rate)
         self.correction.zero_()
         level_n = torch.as_tensor(rate if level is None else level, dtype=torch.float64,

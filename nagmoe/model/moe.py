@@ -142,14 +142,14 @@ class MoELayer(nn.Module):
         self.w_out = nn.Parameter(torch.empty(cfg.n_experts, hidden, d_model))
         self.first_expert = 0  # global index of w_in[0] / w_out[0] (keep_experts)
         self.gate_scale_output = gate_scale_output
-        self.capacity_factor = getattr(cfg, "capacity_factor", None)
-        self.lb_granularity = getattr(cfg, "lb_granularity", "micro_batch")
+        self.capacity_factor = cfg.capacity_factor
+        self.lb_granularity = cfg.lb_granularity
         self.balance_inputs = None  # global_batch: (P_E with its graph, counts_E) of the last forward
         self.received_rows: Optional[int] = None  # rows an expert-parallel dispatcher received in the last call
         # loss-free balancing (model.moe.expert_bias): the (E,) selection bias, a buffer only when on (a run dir
         # saved without it must load unchanged); updated by `update_expert_bias` once per optimizer step
-        self.bias_update_rate = float(getattr(cfg, "bias_update_rate", 0.0))
-        if getattr(cfg, "expert_bias", False):
+        self.bias_update_rate = float(cfg.bias_update_rate)
+        if cfg.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
         else:
             self.expert_bias = None

@@ -212,20 +212,20 @@ class NAGResidual(ResidualStream):
         mod = model_cfg.mod
         self.gates = nn.ModuleList(
             NAGGate(model_cfg.d_model, nag.C, index + 1, nag.beta_init, nag.gain_floor, mod_base=mod.skip_rate > 0,
-                    base_init_std=getattr(mod, "base_init_std", 0.02))
+                    base_init_std=mod.base_init_std)
             for index in range(n_sublayers))
         # model.nag.impl: the fused (compiled) or eager NAG update and modulator, `auto` resolved per device
         # from the tensors a call gets (nagmoe/ops/nag_fused.py): the stream is built on meta, placed later
-        self.ops = NAGOps(getattr(nag, "impl", "auto"))
+        self.ops = NAGOps(nag.impl)
         self.mod = None
         if mod.skip_rate > 0:  # skipping starts after the injection warm-up (and model.mod.start_tokens)
             # work weights at max_seq_len; the trainer and the run loaders re-set them at data.seq_len
             self.mod = MoDCalibrator(n_sublayers, mod.skip_rate, eligible_sublayers(n_sublayers // 2, mod.sublayers),
                                      start_tokens=max(mod.start_tokens, nag.warmup_tokens),
-                                     mode=getattr(mod, "threshold", "per_sublayer"),
+                                     mode=mod.threshold,
                                      work_weights=skippable_flops_per_sublayer(model_cfg, model_cfg.max_seq_len),
-                                     max_sublayer_skip=getattr(mod, "max_sublayer_skip", None),
-                                     p_thres=getattr(mod, "p_thres", None))
+                                     max_sublayer_skip=mod.max_sublayer_skip,
+                                     p_thres=mod.p_thres)
         # Injection warm-up factor in [0, 1], set by the trainer each step; not saved (the trainer re-sets it).
         self.register_buffer("injection_warmup", torch.ones((), dtype=torch.float32), persistent=False)
 

@@ -39,6 +39,7 @@ from nagmoe.model.attention import AttentionCache, build_attention
 from nagmoe.model.init_rng import ParamInit, init_model
 from nagmoe.model.mlp import DenseMLP
 from nagmoe.model.mod import run_on_executed
+from nagmoe.model.mod_calibration import SkipRateUnavailable
 from nagmoe.model.residual import PRECISIONS, build_residual_stream
 from nagmoe.model.roles import UNEMBEDDING
 from nagmoe.model.stats import StatsCollector
@@ -85,7 +86,7 @@ def build_ffn(model_cfg, init_std: Optional[float]) -> nn.Module:
     if model_cfg.ffn == "moe":
         from nagmoe.model.moe import MoELayer  # lazy: only MoE configs need it
 
-        gate_scale = model_cfg.residual == "nag" and getattr(model_cfg.moe, "gate_grad", "none") == "step_gain"
+        gate_scale = model_cfg.residual == "nag" and model_cfg.moe.gate_grad == "step_gain"
         return MoELayer(model_cfg.d_model, model_cfg.moe, init_std=init_std, gate_scale_output=gate_scale)
     return DenseMLP(model_cfg.d_model, model_cfg.mlp_hidden, init_std)
 
@@ -108,8 +109,8 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(model_cfg) for _ in range(model_cfg.n_layers))
         self.lm_head = Unembedding(model_cfg.d_model, model_cfg.vocab_size, bias=False)
         self.stream = build_residual_stream(model_cfg, 2 * model_cfg.n_layers)
-        # Statistics are off unless asked for (`model.collect_stats`, this attribute, or forward's argument).
-        self.collect_stats = bool(getattr(model_cfg, "collect_stats", False))
+        # Statistics are off unless asked for (this attribute, or forward's argument).
+        self.collect_stats = False
         self.precision = "uniform"  # set_precision (train.precision)
         self.loss_chunk_tokens: Optional[int] = None  # None: LOSS_CHUNK_ELEMENTS // vocab_size
         self.reset_parameters()
@@ -182,8 +183,8 @@ class Transformer(nn.Module):
         calibrate_skip_rate calibrates it so that the realised rate is `rate`)."""
         mod = self.mod_calibrator()
         if mod is None:
-            raise UserError("--skip-rate: this model was trained without MoD (model.mod.skip_rate=0): it has no "
-                            "base vectors or score histograms")
+            raise SkipRateUnavailable("this model was trained without MoD (model.mod.skip_rate=0): it has no base "
+                                      "vectors or score histograms")
         mod.set_skip_rate(rate, level)
 
     def update_expert_bias(self, counts_LE: torch.Tensor) -> Optional[torch.Tensor]:

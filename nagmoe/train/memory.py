@@ -238,7 +238,7 @@ def receive_worst_bytes(model_cfg, tokens: int, ep: int, bf16: bool) -> int:
     moe = model_cfg.moe
     K, E, D, H = moe.top_k, moe.n_experts, model_cfg.d_model, expert_hidden(model_cfg)
     rows = ep * tokens * K
-    capacity = expert_capacity(getattr(moe, "capacity_factor", None), tokens, K, E)
+    capacity = expert_capacity(moe.capacity_factor, tokens, K, E)
     if capacity is not None:
         rows = min(rows, ep * (E // ep) * capacity)
     act = 2 if bf16 else 4  # the payloads travel in the experts' compute dtype (bf16 under autocast)
@@ -262,8 +262,8 @@ def estimate_memory(cfg, ep: Optional[int] = None, micro_batch_tokens: Optional[
     params = parameter_bytes(cfg.model, ep, cfg.train.optimizer, device)
     out.update(params)
     out["ddp_buckets"] = params["replicated_bytes"] if world > 1 else 0
-    out.update(activation_bytes(cfg.model, rows * seq, rules, getattr(cfg.train, "activation_checkpointing", False),
-                                getattr(cfg.train, "precision", "legacy")))
+    out.update(activation_bytes(cfg.model, rows * seq, rules, cfg.train.activation_checkpointing,
+                                cfg.train.precision))
     out["receive_worst"] = receive_worst_bytes(cfg.model, rows * seq, ep, rules is not None)
     out["runtime"] = CUDA_RUNTIME_BYTES if device == "cuda" else CPU_PROCESS_BYTES
     parts = ("parameters", "gradients", "ddp_buckets", "optimizer", "optimizer_workspace", "activations",

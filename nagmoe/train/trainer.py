@@ -196,7 +196,7 @@ class Trainer:
             self.model.set_precision(t.precision)  # one policy for both residual streams (docs/architecture.md)
             if self.device.type == "cuda" and t.precision == "uniform":  # the fp32 matmuls left: TF32
                 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-            if getattr(t, "activation_checkpointing", False):  # nagmoe/train/speed.py
+            if t.activation_checkpointing:  # nagmoe/train/speed.py
                 enable_activation_checkpointing(self.model)
             compiled = compile_model(self.model) if self.compiled else None  # nagmoe/train/speed.py
             self.expert_params = named_params(self.model, self.expert_names)
@@ -234,7 +234,7 @@ class Trainer:
             calibrator = self.model.mod_calibrator()
             self.mod_account = None if calibrator is None else ModAccount(
                 m, cfg.data.seq_len, calibrator, self.progress.mod_account, self.progress.step,
-                getattr(t, "flop_convention", "matmul"))
+                t.flop_convention)
             if self.rank == 0:  # also from step 0: a run killed before its first checkpoint logged steps already
                 truncate_metrics(os.path.join(run_dir, METRICS_FILE), self.progress.step)
             # DDP for the replicated parameters (after the load: its start-up broadcast then changes nothing)

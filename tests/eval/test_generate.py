@@ -63,3 +63,27 @@ def test_missing_or_bad_run_dir_exits_2(micro_run, tmp_path, capsys):
 def test_bad_arguments_exit_2(micro_run, capsys, args, needle):
     assert main(["generate", "--run-dir", micro_run, "--prompt", "x", *args]) == 2
     assert needle in _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "To be", "--max-new-tokens", "2"],
+                                     ["export-hf", "--no-validate"]])
+def test_a_skip_rate_for_a_run_without_mod_is_the_commands_one_line(micro_run, tmp_path, capsys, command):
+    """The model raises a plain SkipRateUnavailable (it knows no command line, issue 54); the commands that take
+    --skip-rate word it as theirs: one line naming the flag, exit 2, nothing written."""
+    out = tmp_path / "export"
+    extra = ["--out", str(out)] if command[0] == "export-hf" else []
+    assert main([command[0], "--run-dir", micro_run, *command[1:], *extra, "--skip-rate", "0.2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"nagmoe {command[0]}: error: --skip-rate: this model was trained without MoD" in err[0]
+    assert not out.exists()
+
+
+def test_the_model_refuses_a_dial_without_naming_a_command_line_flag(micro_run):
+    from nagmoe.base.errors import UserError
+    from nagmoe.eval.generate import load_run
+    from nagmoe.model.mod_calibration import SkipRateUnavailable
+
+    run = load_run(micro_run, "cpu")
+    with pytest.raises(SkipRateUnavailable) as caught:
+        run.model.set_mod_skip_rate(0.2)
+    assert not isinstance(caught.value, UserError) and "--" not in str(caught.value)
