@@ -34,23 +34,21 @@ from nagmoe.data.bpb import bits_per_byte, bpb_sums, token_bytes
 from nagmoe.base.errors import UserError, warn
 from nagmoe.config.flops import flops_per_token
 from nagmoe.model import build_model
-from nagmoe.rundir.names import METRICS_FILE
 from nagmoe.train.deepspeed_engine import DeepSpeedEngine
 from nagmoe.parallel.expert_parallel import expert_shard_plan, shard_experts
 from nagmoe.parallel.grad_sync import clip_grad_norm_, named_params, sync_expert_grads, wrap_ddp
 from nagmoe.parallel.mesh import ParallelMesh
 from nagmoe.parallel.env import rank_hosts
-from nagmoe.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
-from nagmoe.rundir.lease import RunDirLease, fence_on_all_ranks
+from nagmoe.checkpoint import load_checkpoint, save_checkpoint
 from nagmoe.model.moe import GlobalBalance
 from nagmoe.model.router_health import moe_layers
 from nagmoe.train.mod_accounting import ModAccount
 from nagmoe.train.router_accounting import RouterAccounting
 from nagmoe.base.environment import check_start_settings, describe_environment
 from nagmoe.train.export_at_end import check_available as check_export_available, export_at_end
-from nagmoe.rundir.wandb_id import ensure_wandb_id
+from nagmoe.train.trainer_run_dir import TrainerRunDir
 from nagmoe.train.wandb_mode import start_wandb, wandb_record
-from nagmoe.rundir.metrics import MetricsWriter, check_metrics_steps, truncate_metrics
+from nagmoe.rundir.metrics import MetricsWriter
 from nagmoe.train.optim import build_optimizers
 from nagmoe.data.host_copy import to_device
 from nagmoe.train.guards import (
@@ -59,8 +57,7 @@ from nagmoe.train.guards import (
 from nagmoe.train.preemption import PreemptionWatch
 from nagmoe.train.hang_watchdog import start_watchdog
 from nagmoe.train.precision_context import TrainingPrecision, reusable_autocast
-from nagmoe.rundir.info import (adopt_legacy_values, prepare_run_dir, read_run_info, update_run_info,
-                                      write_run_info, write_summary)
+from nagmoe.rundir.info import update_run_info, write_summary
 from nagmoe.train.backends_ran import collect as collect_backends_ran, merge as merge_backends_ran
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
 from nagmoe.train.checkpoint_schedule import CheckpointSchedule, save_error
@@ -101,14 +98,6 @@ def resolved_backends(model) -> dict:
     if hasattr(stream, "impl"):  # the NAG update and modulator (model.nag.impl)
         out[f"{type(stream).__name__}.impl"] = stream.impl
     return out
-
-
-def check_history_files(run_dir: str) -> None:
-    """The schemas of the history files a start rewrites (run_info.json) or truncates (metrics.jsonl), checked
-    before it writes anything: a bad one is a UserError naming the file and field, and the run dir stays as it
-    was."""
-    read_run_info(run_dir, own_only=True)
-    check_metrics_steps(os.path.join(run_dir, METRICS_FILE))
 
 
 class Trainer:
@@ -155,29 +144,11 @@ class Trainer:
                 raise UserError(refusal)
 
         self._check_data()
-        # one trainer per run dir (nagmoe.rundir.lease), taken before anything in it is read or written
         self.routing = RouterAccounting()  # per step, per log interval, the expert bias's update
-        self.lease = None
-        mesh.on_rank0(lambda: self._take_lease(take_over))
+        self.rundir = TrainerRunDir(run_dir, mesh, self._log)  # the order of every read and write: its docstring
+        self.rundir.take_lease(take_over)
         try:
-            started = time.perf_counter()
-            latest = mesh.on_rank0(lambda: resume_checkpoint(run_dir, start_over))  # refuses if none is valid
-            mesh.on_rank0(lambda: check_history_files(run_dir))  # a bad one: exit 2 before anything is written
-            if latest is not None:
-                self._log(f"verified {latest} in {time.perf_counter() - started:.1f} s")
-                # every rank: the keys the run dir's config predates keep their legacy values
-                for key, value in adopt_legacy_values(run_dir, cfg).items():
-                    self._log(f"{key}={value!r}: the run dir's config predates this key (its legacy value)")
-                # another layout (world size, parallel.ep, train.micro_batch_tokens) resumes on the torch engine,
-                # which reshards on load; DeepSpeed refuses it here, before the run dir is written
-                from nagmoe.checkpoint import check_resume_layout
-
-                change = mesh.on_rank0(lambda: check_resume_layout(latest, run_dir, cfg, world_size))
-                if change is not None:
-                    self._log(f"resuming {latest} on another layout: {change}")
-            mesh.on_rank0(lambda: prepare_run_dir(run_dir, cfg, resuming=latest is not None,
-                                                          accept_config_change=accept_config_change))
-            mesh.on_rank0(lambda: ensure_wandb_id(run_dir, resuming=latest is not None))
+            latest = self.rundir.open(cfg, start_over, accept_config_change)
 
             torch.manual_seed(t.seed)
             from nagmoe.model.init_rng import init_model
@@ -235,8 +206,7 @@ class Trainer:
             self.mod_account = None if calibrator is None else ModAccount(
                 m, cfg.data.seq_len, calibrator, self.progress.mod_account, self.progress.step,
                 t.flop_convention)
-            if self.rank == 0:  # also from step 0: a run killed before its first checkpoint logged steps already
-                truncate_metrics(os.path.join(run_dir, METRICS_FILE), self.progress.step)
+            self.rundir.truncate_metrics(self.progress.step)
             # DDP for the replicated parameters (after the load: its start-up broadcast then changes nothing)
             self.ddp = (wrap_ddp(self.model, mesh, self.expert_names) if mesh.distributed and self.engine is None
                         else None)
@@ -251,13 +221,11 @@ class Trainer:
             if self.precision.rules:
                 self.backends["precision"] += f", cpu bf16 autocast under CUDA's rules of torch {self.precision.rules}"
             hosts = rank_hosts()  # every rank (a collective)
-            if self.rank == 0:
-                write_run_info(run_dir, self.backends, str(self.device),
-                               {"resumed_from": latest, "grad_accum": self.accum, "world_size": world_size,
-                                "hosts": hosts,
-                                "ep": mesh.ep, "dp": mesh.dp, "engine": cfg.parallel.engine,
-                                "autocast": self.precision.describe(),
-                                **({"deepspeed": self.engine.describe()} if self.engine is not None else {})})
+            self.rundir.write_run_info(self.backends, str(self.device),
+                                       {"resumed_from": latest, "grad_accum": self.accum, "world_size": world_size,
+                                        "hosts": hosts, "ep": mesh.ep, "dp": mesh.dp, "engine": cfg.parallel.engine,
+                                        "autocast": self.precision.describe(),
+                                        **({"deepspeed": self.engine.describe()} if self.engine is not None else {})})
             self._log(f"device {self.device}; backends: {self.backends}; grad accumulation {self.accum}")
             if self.rank == 0:  # also under --quiet (job scripts): the job log says what ports and threads it ran on
                 print(f"[nagmoe] environment: {describe_environment()}", file=sys.stderr, flush=True)
@@ -267,20 +235,13 @@ class Trainer:
             raise
 
     # ------------------------------------------------------------------------------------------------------
-    def _take_lease(self, take_over: bool) -> None:
-        self.lease = RunDirLease(self.run_dir, take_over).acquire()
-
     def fence(self) -> None:
-        """Collective, before each checkpoint publish, metrics write and summary.json: rank 0 confirms the lease is
-        still ours; if another trainer took it over, every rank raises the same UserError (exit 2) and nothing
-        more is written (nagmoe.rundir.lease)."""
-        fence_on_all_ranks(self.mesh, self.lease)
+        """Collective, before each checkpoint publish, metrics write and summary.json (TrainerRunDir.fence)."""
+        self.rundir.fence()
 
     def release_lease(self) -> None:
         """Give the run dir back (rank 0 holds the lease); idempotent."""
-        if self.lease is not None:
-            self.lease.release()
-            self.lease = None
+        self.rundir.release()
 
     def _log(self, msg: str) -> None:
         if not self.quiet and self.rank == 0:
