@@ -25,7 +25,7 @@ $(STAMP): setup.py
 # trainer's subprocesses: mostly waiting on jobs, polls, grace periods and process start-up) run one after another
 # beside the others; their output follows (issue 50 item 4: CI's wall time; docs/benchmarks.md).
 TEST_PARTS := $(sort $(dir $(wildcard tests/*/test_*.py))) "$(wildcard tests/test_*.py)"
-TEST_LANE2 := tests/slurm/ tests/reliability/ tests/deepspeed/ tests/train/
+TEST_LANE2 := tests/slurm/ tests/recovery/ tests/deepspeed/ tests/train/
 TEST_LANE1 := $(filter-out $(TEST_LANE2),$(TEST_PARTS))
 PYTEST_CI := $(VPY) -m pytest -q -m "not scale"
 

@@ -10,6 +10,9 @@ from nagmoe.base.environment import inductor_cache_per_cpu_isa
 inductor_cache_per_cpu_isa()
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# fixtures shared by several test folders (tests/support/, on the test path through pytest.ini): each is built once
+# per pytest process that uses it, never by one that does not
+pytest_plugins = ["run_variants", "trained_run", "taken_over_run"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -48,7 +48,7 @@ from nagmoe.base.environment import (DEFAULT_HANG_LONG_PHASE_S as LONG_PHASE_S,
 from nagmoe.train.guards import TrainingHalted
 
 EXIT_HUNG = 76  # EX_PROTOCOL (sysexits.h): a peer or the file system stopped answering; a restart may cure it
-# a collective past its timeout keeps the status it always had (torch's error: 1; tests/reliability/
+# a collective past its timeout keeps the status it always had (torch's error: 1; tests/recovery/
 # test_distributed_kill.py): the batch script restarts on a new checkpoint, whatever the status
 EXIT_COLLECTIVE_TIMEOUT = 1
 HANG_MULTIPLE, HANG_FLOOR_S = 20.0, 180.0  # the derived limit: max(20 x median step, 180 s)

@@ -1,6 +1,6 @@
 """kill -9 at every point of a DeepSpeed-engine save, first or repeated (issue 21, point 2): the restart
 continues the uninterrupted run exactly, with metrics.jsonl intact. One process (DeepSpeed on one gloo rank,
-AdamW); the same crash driver as the torch engine's tests (tests/reliability/crash_driver.py)."""
+AdamW); the same crash driver as the torch engine's tests (tests/support/crash_driver.py)."""
 import os
 import shutil
 import subprocess
@@ -12,8 +12,8 @@ import pytest
 from ds_ranks import requires_deepspeed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "reliability"))
-from crash_driver import FIRST_SAVE_POINTS, RESAVE_POINTS  # noqa: E402
+import crash_driver
+from crash_driver import FIRST_SAVE_POINTS, RESAVE_POINTS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 STEPS, KILLED = 6, 4  # checkpoints every 2 steps; the save of step 4 is the one killed
@@ -64,7 +64,7 @@ def kill_and_resume(point, args, ds_env, run_dir, tmp_path, want):
     from nagmoe.checkpoint import latest_valid_checkpoint
 
     ready = str(tmp_path / "frozen")
-    driver = os.path.join(REPO, "tests", "reliability", "crash_driver.py")
+    driver = crash_driver.__file__
     proc = subprocess.Popen([sys.executable, driver, point, str(KILLED), ready, "--", *args], cwd=REPO,
                             env=env_of(ds_env), stdout=subprocess.DEVNULL, stderr=open(tmp_path / "crash.log", "w"))
     try:
@@ -85,7 +85,7 @@ def kill_and_resume(point, args, ds_env, run_dir, tmp_path, want):
 
 def in_ci(points, kept):
     """The kill points CI runs; the others are `make test-scale` (CI time, issue 50 item 4). Publishing and
-    pruning are the engine-independent code every point of tests/reliability/test_kill_during_checkpoint.py
+    pruning are the engine-independent code every point of tests/recovery/test_kill_during_checkpoint.py
     kills in CI; what is DeepSpeed's own is its files half written (tensors_written) and a resave replacing a
     published checkpoint (mid_replace)."""
     return [p if p in kept else pytest.param(p, marks=pytest.mark.scale) for p in points]

@@ -3,7 +3,6 @@
 loss-free expert bias on (issue 43): after step 1 its b equals a single process's on the same global batch,
 bitwise on every rank, and the export carries it."""
 import os
-import sys
 
 import pytest
 import torch
@@ -11,8 +10,7 @@ from safetensors.torch import load_file
 
 from nagmoe.hf.export import PREFIX
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parallel"))
-from gloo_ranks import run_on_ranks  # noqa: E402
+from gloo_ranks import run_on_ranks
 
 pytestmark = pytest.mark.distributed
 

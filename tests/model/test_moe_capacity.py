@@ -107,10 +107,6 @@ def _received_rows_on_ep2(factor):
 
 @pytest.mark.distributed
 def test_ep2_ranks_receive_at_most_the_capacity_from_each_source():
-    import sys
-    import os
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "parallel"))
     from gloo_ranks import run_on_ranks
 
     capacity = math.ceil(1.0 * T / E)  # per source rank: T tokens, top-1

@@ -2,7 +2,6 @@
 and the analysis section."""
 import math
 import os
-import sys
 
 import pytest
 import torch
@@ -53,7 +52,6 @@ def test_a_run_logs_router_health_per_layer(micro_config, tmp_path):
 
 
 def test_the_analysis_has_a_router_section():
-    sys.path.insert(0, os.path.join(REPO, "tests", "analysis"))
     from analysis_models import randomize_outputs, tiny_model, token_batches
 
     from nagmoe.analysis.run_analysis import analyze_model

@@ -1,5 +1,5 @@
 """The progress watchdog's rules in one process (nagmoe/train/hang_watchdog.py); the real hang of a gloo rank
-whose peer stopped is tests/reliability/test_hang_ranks.py."""
+whose peer stopped is tests/recovery/test_hang_ranks.py."""
 import io
 import os
 import signal

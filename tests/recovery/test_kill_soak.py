@@ -18,7 +18,7 @@ import pytest
 
 from nagmoe.config import load_config
 from nagmoe.checkpoint import latest_valid_checkpoint
-from reliability_harness import (
+from trainer_processes import (
     assert_same_state,
     comparable,
     last_logged_step,

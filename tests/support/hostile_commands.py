@@ -13,7 +13,7 @@ import shutil
 import sys
 import tempfile
 
-from payloads import PAYLOADS, write_payload
+from hostile_payloads import PAYLOADS, write_payload
 
 COMMANDS = {
     "train": ["train", "--config", "config.yaml", "--run-dir", "run", "--quiet", "train.max_steps=3"],

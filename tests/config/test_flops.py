@@ -131,7 +131,7 @@ def test_mod_executed_fraction_lowers_flops_and_gives_token_ratio(repo_root):
     assert full > flops_per_token(cfg.model, T, per_sublayer) > part
 
 
-PAPER = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs/paper/*-r*.yaml")))
+PAPER = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs/paper/*-r*.yaml")))
 
 
 @pytest.mark.parametrize("path", PAPER, ids=[os.path.basename(p) for p in PAPER])

@@ -6,7 +6,7 @@ import os
 
 from nagmoe.config import RESUMABLE_KEYS, load_config
 from nagmoe.train.trainer import Trainer
-from reliability_harness import logged_steps, run_trainer
+from trainer_processes import logged_steps, run_trainer
 
 
 def snapshot(run_dir):

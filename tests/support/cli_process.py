@@ -1,4 +1,4 @@
-"""Helpers shared by the Reliability II test modules (importable: tests/reliability2 is on sys.path)."""
+"""`python -m nagmoe` in a process of its own, for the tests that drive the command line from outside."""
 import os
 import subprocess
 import sys

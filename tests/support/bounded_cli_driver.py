@@ -1,4 +1,4 @@
-"""The fuzz of tests/reliability4/test_bounded_messages.py, run as its own process: under a 1 GiB address-space
+"""The fuzz of tests/base/test_bounded_messages.py, run as its own process: under a 1 GiB address-space
 limit, every case (a config file value, a command-line override or an experiment field holding an alias bomb,
 deep nesting, a huge number or string, control characters, a container where a scalar belongs) runs through the
 CLI's `main` in this process with a 20 s alarm. Prints one JSON object: the case count, the longest stderr line,

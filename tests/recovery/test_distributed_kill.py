@@ -13,7 +13,7 @@ import pytest
 from nagmoe.base.errors import UserError
 from nagmoe.parallel.env import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, dist_timeout_s
 from nagmoe.checkpoint import latest_valid_checkpoint
-from reliability_harness import (
+from trainer_processes import (
     SHORT_STEPS,
     clean_env,
     comparable,

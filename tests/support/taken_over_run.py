@@ -1,4 +1,4 @@
-"""`taken_over_run`: the issue-41 acceptance "two trainers on one run dir", this directory's only end-to-end
+"""`taken_over_run`: the issue-41 acceptance "two trainers on one run dir", the suite's only end-to-end
 `nagmoe train` runs (two real processes, module-independent: session scope).
 
 Trainer 1 trains the micro config with no step limit in sight; once it has published a checkpoint, trainer 2

@@ -55,7 +55,7 @@ def micro_args(request):
 @pytest.fixture(scope="module")
 def good_run(tmp_path_factory, request):
     """A finished run dir (checkpoints, metrics, summary, run_info): a copy of the issue's one end-to-end run,
-    tests/reliability4/conftest.py's `taken_over_run` (its second trainer trained it to the end). The tests read
+    tests/support/taken_over_run.py's `taken_over_run` (its second trainer trained it to the end). The tests read
     nothing of it by step number; every one works on a further copy."""
     source = request.getfixturevalue("taken_over_run")
     assert source["outcome"]["second"]["exit"] == 0, source["outcome"]["second"]["stderr"]

@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 from nagmoe.base.errors import UserError
 from nagmoe.checkpoint import latest_valid_checkpoint, load_checkpoint
 from nagmoe.checkpoint.safe_dcp import UnsafeCheckpoint, safe_dcp_load
-from payloads import rewrite_manifest
-from reliability2_helpers import REPO
+from hostile_payloads import rewrite_manifest
+from cli_process import REPO
 
 
 class Payload:

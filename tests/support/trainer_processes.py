@@ -1,4 +1,4 @@
-"""Helpers of the reliability tests: start `nagmoe train` as real processes (one, or N ranks launched the way
+"""Helpers of the recovery tests: start `nagmoe train` as real processes (one, or N ranks launched the way
 `srun` launches them), kill them at chosen moments, and compare what a run left behind with a reference.
 
 Every process runs with OMP_NUM_THREADS=1: default torch threading on two shared cores makes a micro step

@@ -1,7 +1,7 @@
 """Experiment files (`nagmoe/launch/experiment.py`) and `nagmoe experiment`: the file's checks, how a run's config is
 resolved (shared budget, seed, overrides, run dir), the shipped experiments are FLOP-matched as their comments
 say, local training skips finished runs, `--slurm --dry-run` lists the jobs, the afterany dependency and the
-shared budget, and one real submission on the local Slurm test cluster (tests/slurm/slurm_cluster.py) ends
+shared budget, and one real submission on the local Slurm test cluster (tests/support/slurm_cluster.py) ends
 with its report even though one of its runs fails."""
 import json
 import os
@@ -16,9 +16,8 @@ from nagmoe.base.errors import UserError
 from nagmoe.launch.experiment import load_experiment
 from nagmoe.flops import flops_per_token
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
-sys.path.insert(0, os.path.join(REPO, "tests", "slurm"))
 from slurm_cluster import running_cluster  # noqa: E402
 
 
@@ -178,7 +177,7 @@ def test_local_runs_train_once_and_resume_skips_finished_ones(micro, tmp_path):
 
 @pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory):
-    """A real single-node Slurm (tests/slurm/slurm_cluster.py) for this module; skipped only when the binaries
+    """A real single-node Slurm (tests/support/slurm_cluster.py) for this module; skipped only when the binaries
     are missing and CI is unset."""
     with running_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
         yield cluster

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from nagmoe.config import (CHOICES, NON_NEGATIVE, POSITIVE, Config, ConfigError, config_from_dict, load_config,
                            to_dict)
 from nagmoe.config.schema import TRISTATE_KEYS
-from reliability2_helpers import ENV, REPO
+from cli_process import ENV, REPO
 
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
 BOOL_WORDS = {"true", "yes", "on", "1", "false", "no", "off", "0"}

@@ -1,11 +1,11 @@
-"""Fixtures of the Reliability II tests: a micro Trainer factory, and one small trained run whose folder
+"""Fixtures of the bad-input, hostile-checkpoint, safe-loading and guard tests: a micro Trainer factory, and one small trained run whose folder
 (config.yaml with a relative `data.data_dir: data`, data/, run/) can be copied whole and tampered with."""
 import os
 import shutil
 
 import pytest
 
-from reliability2_helpers import REPO, nagmoe_cli
+from cli_process import REPO, nagmoe_cli
 
 
 @pytest.fixture

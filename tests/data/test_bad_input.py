@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from reliability2_helpers import nagmoe_cli
+from cli_process import nagmoe_cli
 
 
 def tree_digest(folder: str) -> dict:

@@ -135,7 +135,7 @@ def test_the_environment_is_logged_through_an_allow_list():
 
 
 def test_a_training_job_logs_its_environment_at_start(request):
-    """The one end-to-end run of this issue (tests/reliability4/conftest.py) logged it under --quiet."""
+    """The one end-to-end run of this issue (tests/support/taken_over_run.py) logged it under --quiet."""
     outcome = request.getfixturevalue("taken_over_run")["outcome"]
     assert "[nagmoe] environment: " in outcome["second"]["stderr"] or \
         "[nagmoe] environment: " in outcome["first"]["stderr"], outcome["second"]["stderr"][-2000:]

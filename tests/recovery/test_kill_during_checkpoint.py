@@ -19,7 +19,7 @@ import torch
 from crash_driver import FIRST_SAVE_POINTS, RESAVE_POINTS
 from nagmoe.base.errors import UserError
 from nagmoe.checkpoint import MANIFEST, STATE, latest_valid_checkpoint, save_checkpoint
-from reliability_harness import (
+from trainer_processes import (
     CRASH_DRIVER,
     SHORT,
     SHORT_STEPS,

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from nagmoe.train.hang_watchdog import EXIT_HUNG
-from reliability_harness import (SHORT_STEPS, last_logged_step, logged_steps, read_log, start_ranks, stop_all,
+from trainer_processes import (SHORT_STEPS, last_logged_step, logged_steps, read_log, start_ranks, stop_all,
                                  wait_all, wait_for)
 
 HANG_S = 4.0  # train.hang_timeout_s of the first test: a micro step takes ~0.1 s

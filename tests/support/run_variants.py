@@ -1,7 +1,7 @@
-"""Fixtures of the reliability tests: the micro config variants written as YAML files, and the uninterrupted
+"""Fixtures of the recovery tests (tests/recovery/, tests/rundir/test_config_drift.py): the micro config variants written as YAML files, and the uninterrupted
 reference runs (one process; two ranks) that every interrupted run must reproduce bit for bit.
 
-The variants (SOAK, SHORT, DIST) are defined in reliability_harness.py: test modules must not import from a
+The variants (SOAK, SHORT, DIST) are defined in trainer_processes.py: test modules must not import from a
 conftest.py (`from conftest import` gets whichever conftest pytest loaded last).
 """
 import os
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from reliability_harness import DIST, REPO, SHORT, SOAK, records, run_trainer, start_ranks, wait_all
+from trainer_processes import DIST, REPO, SHORT, SOAK, records, run_trainer, start_ranks, wait_all
 
 
 @dataclass

@@ -14,10 +14,11 @@ import torch
 
 from nagmoe.checkpoint import load_checkpoint, save_checkpoint
 from nagmoe.checkpoint.safe_dcp import UnsafeCheckpoint
-from payloads import PAYLOADS, write_payload
-from reliability2_helpers import ENV, REPO
+import hostile_payloads
+from hostile_payloads import PAYLOADS, write_payload
+from cli_process import ENV, REPO
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+SUPPORT = os.path.dirname(os.path.abspath(hostile_payloads.__file__))  # hostile_payloads and hostile_commands
 
 
 def tiny_checkpoint(run_dir: str) -> tuple[str, torch.nn.Module]:
@@ -32,7 +33,7 @@ STOCK_CHECK = """
 import builtins, json, os, pickle, sys, time
 import torch.distributed.checkpoint.filesystem, torch.distributed.checkpoint.metadata  # imported before any damage
 sys.path.insert(0, {here!r})
-from payloads import PAYLOADS, inject, payloads
+from hostile_payloads import PAYLOADS, inject, payloads
 metadata, work = sys.argv[1:]
 with open(metadata, "rb") as f:
     original = f.read()
@@ -56,7 +57,7 @@ def test_the_stock_unpickler_runs_every_payload(tmp_path):
     """Control: each payload does what it claims under `pickle.loads` (runs its command, replaces os.sep,
     builtins.open or a class attribute), and the metadata still loads — in a throw-away process."""
     checkpoint, _ = tiny_checkpoint(str(tmp_path / "run"))
-    r = subprocess.run([sys.executable, "-c", STOCK_CHECK.format(here=HERE), os.path.join(checkpoint, ".metadata"),
+    r = subprocess.run([sys.executable, "-c", STOCK_CHECK.format(here=SUPPORT), os.path.join(checkpoint, ".metadata"),
                         str(tmp_path)], capture_output=True, text=True, env=ENV, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     effects = json.loads(r.stdout)
@@ -100,7 +101,7 @@ def test_the_allow_list_is_exact():
 @pytest.mark.parametrize("command", ["train", "eval", "generate", "consolidate", "analyze", "report"])
 def test_every_command_refuses_every_payload(command, trained_run, tmp_path):
     out = str(tmp_path / "results.json")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "hostile_commands.py"), command, trained_run,
+    r = subprocess.run([sys.executable, os.path.join(SUPPORT, "hostile_commands.py"), command, trained_run,
                         str(tmp_path / "work"), out], capture_output=True, text=True, env=ENV, cwd=REPO,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -14,7 +14,7 @@ import pytest
 
 from nagmoe.checkpoint import MANIFEST, STATE, latest_valid_checkpoint
 from nagmoe.train.preemption import EXIT_PREEMPTED, read_marker
-from reliability_harness import (
+from trainer_processes import (
     SHORT_STEPS,
     comparable,
     last_logged_step,

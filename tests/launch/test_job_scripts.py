@@ -22,7 +22,6 @@ from nagmoe.base.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHON = sys.executable  # the stubs fixture renders with a stand-in in its place
-sys.path.insert(0, os.path.join(REPO, "tests", "slurm"))
 from slurm_cluster import running_cluster, wait_until  # noqa: E402
 
 MARK = "M"  # every payload tries to create a file of this name
@@ -622,7 +621,7 @@ def test_the_stop_request_and_the_marker_replace_planted_links(kind, victim, tmp
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The real thing: a one-machine Slurm (tests/slurm/slurm_cluster.py)
+# The real thing: a one-machine Slurm (tests/support/slurm_cluster.py)
 # ----------------------------------------------------------------------------------------------------------
 @pytest.mark.slurm
 def test_real_slurm_uses_the_hostile_paths_literally(tmp_path, stubs, monkeypatch):

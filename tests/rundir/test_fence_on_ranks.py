@@ -2,12 +2,10 @@
 a checkpoint save with the trainer's fence stops on EVERY rank with the same one-line UserError naming the new
 holder, and nothing is published (2 real gloo ranks, no training)."""
 import os
-import sys
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "parallel"))
 from gloo_ranks import run_on_ranks  # noqa: E402
 
 
