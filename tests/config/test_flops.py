@@ -5,24 +5,12 @@ import os
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
 from nagmoe.config import load_config
 from nagmoe.flops import flops_per_token, mod_token_ratio, param_counts, peak_flops
 
+from flop_counter import flop_counter
 
-def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
-                        _output_padding, _groups, output_mask, out_shape=None, **kwargs):
-    """Backward of a (non-transposed) conv: grad_input and grad_weight each cost the forward's FLOPs.
-    torch's own formula (torch 2.13) drops the group division in grad_weight, which overcounts grouped and
-    depthwise convs (CCA's) by up to the channel count; see pytorch/pytorch PR #183405."""
-    assert not transposed
-    forward = conv_flop_count(x_shape, w_shape, grad_out_shape)
-    return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
-
-
-def flop_counter():
-    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flop})
 
 TINY_OVERRIDES = ["model.d_model=64", "model.n_layers=2", "model.vocab_size=256", "model.attention.n_heads=4",
                   "model.moe.expert_hidden=96", "model.max_seq_len=64", "data.seq_len=64",

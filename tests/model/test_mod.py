@@ -15,7 +15,7 @@ from nagmoe.model.mod_calibration import EXECUTE_ALL, MoDCalibrator, histogram_q
 from nagmoe.model.mod import ExecutedTokens, eligible_sublayers, run_on_executed
 from nagmoe.model.nag import nag_update
 from nagmoe.model.residual import NAGState
-from test_flops import flop_counter  # FlopCounterMode with the corrected grouped-conv backward (decisions.md)
+from flop_counter import flop_counter  # FlopCounterMode with the corrected grouped-conv backward (decisions.md)
 from tiny_models import randomize_output_projections, tiny_config
 
 V = 64
