@@ -27,6 +27,7 @@ import math
 from typing import Callable, Optional
 
 import torch
+import torch.nn.attention
 import torch.nn.functional as F
 from torch import nn
 
@@ -35,6 +36,19 @@ from nagmoe.model.common import init_linear_uniform, recording, rms_norm
 from nagmoe.model.init_rng import ParamInit
 from nagmoe.ops.position_attention import chunked_attention_available, chunked_position_attention
 from nagmoe.ops.registry import Registry
+
+# The position-blocked SDPA calls (MoD's executed queries, `attention_at_positions`) have data-dependent key
+# lengths and masks: cuDNN attention builds and caches an execution plan per exact shape (forward and backward,
+# never evicted), so there it would plan almost every call. Those calls never use cuDNN, and their key lengths
+# round up to a multiple of KEY_ROUNDING (the mask hides the extra keys), so the set of shapes is finite.
+KEY_ROUNDING = 256
+
+
+def position_sdpa_backends() -> list:
+    """The SDPA kernels the position-blocked calls may use: every one but cuDNN (torch.nn.attention.SDPBackend)."""
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 def _flash_available() -> bool:
     """flash-attn (optional `gpu` extra): CUDA only, and only when the package imports."""
@@ -216,19 +230,20 @@ def attention_at_positions(q_BHMS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: t
         # ExecutedTokens read them with its counts: `key_ends`, no second host read)
         if key_ends is None:
             key_ends = (positions_BM.amax(0).cummax(0).values + 1).tolist()
-        ends = [min(e, L) for e in key_ends]
+        ends = [min(-(-e // KEY_ROUNDING) * KEY_ROUNDING, L) for e in key_ends]  # finitely many shapes
         outs = []
-        for start in range(0, M, size):
-            stop = min(M, start + size)
-            keys = ends[stop - 1]
-            visible_B1mL = (torch.arange(keys, device=q_BHMS.device)
-                            <= positions_BM[:, start:stop].unsqueeze(-1)).unsqueeze(1)
-            q_part, k_part, v_part = q_BHMS[:, :, start:stop], k_BKLS[:, :, :keys], v_BKLS[:, :, :keys]
-            if ran is not None and start == 0:  # every block has the same dtypes and kind of mask
-                ran["attention_at_positions"] = "sdpa blocks:" + sdpa_kernel(q_part, k_part, v_part, visible_B1mL,
-                                                                              False, n_rep > 1)
-            outs.append(F.scaled_dot_product_attention(q_part, k_part, v_part, attn_mask=visible_B1mL,
-                                                       enable_gqa=n_rep > 1))
+        with torch.nn.attention.sdpa_kernel(position_sdpa_backends()):  # never cuDNN (KEY_ROUNDING)
+            for start in range(0, M, size):
+                stop = min(M, start + size)
+                keys = ends[stop - 1]
+                visible_B1mL = (torch.arange(keys, device=q_BHMS.device)
+                                <= positions_BM[:, start:stop].unsqueeze(-1)).unsqueeze(1)
+                q_part, k_part, v_part = q_BHMS[:, :, start:stop], k_BKLS[:, :, :keys], v_BKLS[:, :, :keys]
+                if ran is not None and start == 0:  # every block has the same dtypes and kind of mask
+                    ran["attention_at_positions"] = "sdpa blocks:" + sdpa_kernel(q_part, k_part, v_part,
+                                                                                  visible_B1mL, False, n_rep > 1)
+                outs.append(F.scaled_dot_product_attention(q_part, k_part, v_part, attn_mask=visible_B1mL,
+                                                           enable_gqa=n_rep > 1))
         return torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
     if ran is not None:
         ran["attention_at_positions"] = "math"
