@@ -103,6 +103,9 @@ class MoDConfig:
     threshold: str = "global"
     p_thres: Optional[float] = None  # the threshold of threshold=fixed (required there, refused otherwise)
     max_sublayer_skip: Optional[float] = 0.6  # ceiling on any sublayer's skipped token share; null = none
+    # gather (executed tokens gathered: the CPU's saving) | static (fixed shapes, no host read: the GPU's) |
+    # auto (static on CUDA, gather elsewhere); nagmoe/model/mod.py
+    impl: str = "auto"
 
 
 @dataclass
@@ -217,6 +220,7 @@ CHOICES = {
     "model.moe.gate_grad": ("step_gain", "none"),
     "model.mod.sublayers": ("all", "attention", "ffn", "every_other"),
     "model.mod.threshold": ("global", "per_sublayer", "fixed"),
+    "model.mod.impl": ("auto", "gather", "static"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.compile": ("auto", "true", "false"),
     "train.precision": ("uniform", "legacy"),
@@ -263,6 +267,7 @@ LEGACY_VALUES = {
     "model.moe.expert_bias": False,
     "model.moe.bias_update_rate": 1e-3,
     "model.moe.lb_granularity": "micro_batch",
+    "model.mod.impl": "auto",
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract; also switchable
 # mid-run: logging, checkpoint timing and keeping, the export at the end, and the expert bias's rate (0 freezes
@@ -274,8 +279,9 @@ RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "t
 # Keys of the parallel layout that may change too (issue 25): the torch engine reshards a checkpoint on load
 # (nagmoe.checkpoint.torch_layout), so a run resumes on another world size, EP degree or micro-batch; the
 # global batch (train.batch_tokens) may not change. train.compile (issue 26) changes how the step runs, not
-# what it computes (compiled = eager within rounding): a run started eager resumes compiled and back.
-RESUMABLE_LAYOUT_KEYS = ("parallel.ep", "train.micro_batch_tokens", "train.compile")
+# what it computes (compiled = eager within rounding): a run started eager resumes compiled and back; so does
+# model.mod.impl (issue 59: gather and static are one function, nagmoe/model/mod.py).
+RESUMABLE_LAYOUT_KEYS = ("parallel.ep", "train.micro_batch_tokens", "train.compile", "model.mod.impl")
 # str keys with the choices auto | true | false that were booleans once: YAML booleans (and the strings the
 # boolean keys accept) read as "true" / "false"
 TRISTATE_KEYS = ("train.compile",)

@@ -18,7 +18,9 @@ Mixture-of-Depths (`select`, a `nagmoe.model.mod.ExecutedTokens`): keys and valu
 token (later tokens attend to skipped ones; the cache is unchanged), queries, score rows and the output
 projection only for the executed tokens. Those run in a padded per-sequence layout (B, M) at their original
 positions, masked by `key <= position` (`attention_at_positions`; `is_causal` would align a shorter query set
-wrongly); `forward` then returns `(y_ND, None)` for the N executed tokens (flat, row-major).
+wrongly); `forward` then returns `(y_ND, None)` for the N executed tokens (flat, row-major). A static
+`Selection` (model.mod.impl=static) runs the causal path over every query, `(y_BTD, None)`: exact for the
+executed rows, which are all the stream keeps.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from torch import nn
 from nagmoe.base.errors import UserError
 from nagmoe.model.common import init_linear_uniform, recording, rms_norm
 from nagmoe.model.init_rng import ParamInit
+from nagmoe.model.mod import Selection
 from nagmoe.ops.position_attention import chunked_attention_available, chunked_position_attention
 from nagmoe.ops.registry import Registry
 
@@ -367,7 +370,7 @@ class MultiHeadAttention(nn.Module):
         k_BKLS, v_BKLS = k_BTKS.transpose(1, 2), v_BTKS.transpose(1, 2)
         if cache is not None:
             k_BKLS, v_BKLS = cache.append(k_BKLS, v_BKLS)
-        if select is None:
+        if select is None or isinstance(select, Selection):  # static MoD: every query; the stream keeps its rows
             q_BTHS = apply_rope(self.c_q(x_BTD).view(B, T, H, S), cos, sin)
             if self.qk_norm:
                 q_BTHS = rms_norm(q_BTHS)

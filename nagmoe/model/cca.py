@@ -47,6 +47,7 @@ from nagmoe.base.errors import UserError
 from nagmoe.config.flops import attention_heads
 from nagmoe.model.attention import (AttentionCache, apply_rope, attention_at_positions, causal_attention,
                                     executed_queries, resolve_attention_impl, rope_tables, rotary_dims)
+from nagmoe.model.mod import Selection
 from nagmoe.model.common import init_linear_uniform, rms_norm
 from nagmoe.model.init_rng import ParamInit
 from nagmoe.model.roles import SCALAR
@@ -176,7 +177,7 @@ class CCAttention(nn.Module):
         k_BKLS, v_BKLS = k_BTKS.transpose(1, 2), v_BTKS.transpose(1, 2)
         if cache is not None:
             k_BKLS, v_BKLS = cache.append(k_BKLS, v_BKLS)
-        if select is None:
+        if select is None or isinstance(select, Selection):  # static MoD: every query; the stream keeps its rows
             q_BTHS = apply_rope(rms_norm(q_BTHS), cos, sin)
             y_BHTS = causal_attention(q_BTHS.transpose(1, 2), k_BKLS, v_BKLS, self.impl, q_offset=offset,
                                       ran=self.ran)

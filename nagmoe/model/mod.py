@@ -18,16 +18,49 @@ Batching (`ExecutedTokens`): FFN/MoE run on a flat `(N, D)` gather of the execut
 K and V for every token and runs its executed queries in a padded per-sequence layout `(B, M)` with their
 original positions (`key <= position`; on CPU the chunked kernel of nagmoe/ops/position_attention.py), so the
 score work is about B·M·L/2 instead of B·T·L/2.
+
+Two implementations of the same function (`model.mod.impl`, `resolve_mod_impl`):
+  gather  the above: the executed tokens gathered (one host read per sublayer for the counts and key ends);
+          the FLOP saving is realised on the CPU (0.95 of it, docs/benchmarks.md), but every step has new
+          shapes: a GPU pays a recompile, a kernel plan or a host sync for them.
+  static  a `Selection` (the executed mask on the device, the skip flag applied there: mask = (r > p) | not
+          skipping) and sublayers that compute every token with fixed shapes: attention runs the causal path
+          over all queries (the skipped rows are discarded: exact), the MoE routes every token but gives expert
+          slots to the executed ones only (grouped GEMM offsets stop at them, nagmoe/model/moe.py), the stream
+          keeps the executed rows with torch.where. No host read, the same graph before and after skipping
+          starts and whatever the counts: what a GPU needs (torch.compile, CUDA graphs), at the price of the
+          attention's and dense FFN's skipped rows (the MoE's expert GEMMs, the bulk of the skippable work,
+          are saved).
+`auto` = static on CUDA, gather elsewhere.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from nagmoe.ops.position_attention import POSITION_CHUNK
 from nagmoe.config.schema import ELIGIBLE_MODES, eligible_sublayers  # noqa: F401  (the MoD eligibility rule)
 
+
+
+MOD_IMPLS = ("auto", "gather", "static")
+
+
+def resolve_mod_impl(setting: str, device_type: str) -> str:
+    """`model.mod.impl` for a device type: auto = static on CUDA, gather elsewhere (module docstring)."""
+    if setting not in MOD_IMPLS:
+        raise ValueError(f"model.mod.impl: {setting!r} is not one of {', '.join(MOD_IMPLS)}")
+    if setting == "auto":
+        return "static" if device_type == "cuda" else "gather"
+    return setting
+
+
+class Selection(NamedTuple):
+    """model.mod.impl=static: the tokens of a (B, T) batch that execute a sublayer, as a device mask only. A
+    sublayer called with `select=Selection` computes every token (fixed shapes) and its output rows of skipped
+    tokens are discarded by the stream; a MoE gives them no expert slot and no statistic."""
+    mask_BT: torch.Tensor
 
 
 def _true_rows(mask_N: torch.Tensor, n: int) -> torch.Tensor:
@@ -154,10 +187,13 @@ class ExecutedTokens:
 
 def run_on_executed(sublayer: Callable, x_BTD: torch.Tensor, select: Optional[ExecutedTokens] = None):
     """A per-token sublayer (dense FFN, MoE) on the executed tokens only: `(y_ND, aux[, gate_scale_N])` for
-    the N gathered tokens, or the sublayer's own output when `select` is None. The MoE routes only these
+    the N gathered tokens, or the sublayer's own output when `select` is None or a `Selection` (static: a MoE
+    takes it and routes only the executed tokens; a dense FFN computes every token). The MoE routes only these
     tokens (its aux losses are statistics of the executed tokens)."""
     if select is None:
         return sublayer(x_BTD)
+    if isinstance(select, Selection):  # static: every token, full shapes; the stream keeps the executed rows
+        return sublayer(x_BTD, select=select) if hasattr(sublayer, "lb_granularity") else sublayer(x_BTD)
     # a MoE balancing per sequence needs each gathered token's row (model.moe.lb_granularity=sequence)
     rows = ({"rows": (torch.div(select.index_N, select.T, rounding_mode="floor"), select.B)}
             if getattr(sublayer, "lb_granularity", None) == "sequence" else {})

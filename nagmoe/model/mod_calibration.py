@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from nagmoe.base.errors import UserError
-from nagmoe.model.mod import ExecutedTokens
+from nagmoe.model.mod import ExecutedTokens, Selection, resolve_mod_impl
 
 EXECUTE_ALL = -1.0  # a threshold below every score (r >= 0)
 THRESHOLD_MODES = ("global", "per_sublayer", "fixed")
@@ -117,8 +117,10 @@ class MoDCalibrator(nn.Module):
     def __init__(self, n_sublayers: int, skip_rate: float, eligible: Sequence[bool], start_tokens: int = 0,
                  bins: int = 2048, decay: float = 0.5, correction_gain: float = 0.5, mode: str = "per_sublayer",
                  work_weights: Optional[Sequence[float]] = None, max_sublayer_skip: Optional[float] = None,
-                 p_thres: Optional[float] = None):
+                 p_thres: Optional[float] = None, impl: str = "auto"):
         super().__init__()
+        resolve_mod_impl(impl, "cpu")  # a known setting (the config check names it for users)
+        self.impl = impl  # model.mod.impl: gather | static | auto (per device: resolved_impl)
         if not 0.0 <= skip_rate < 1.0:
             raise UserError(f"model.mod.skip_rate: {skip_rate} must be in [0, 1)")
         if len(eligible) != n_sublayers:
@@ -187,30 +189,51 @@ class MoDCalibrator(nn.Module):
             self.work_weight.copy_(torch.tensor(self.work_weight_list, dtype=torch.float64))
 
     # ------------------------------------------------------------------------------------------------------
+    def resolved_impl(self, device) -> str:
+        """`model.mod.impl` where the calibrator's buffers live (or on `device`): gather or static."""
+        return resolve_mod_impl(self.impl, torch.device(device).type)
+
     def select(self, index: int, score_BT: torch.Tensor):
         """The executed tokens of sublayer `index` (score > threshold), or None when it runs every token
-        (ineligible, or not skipping yet). Training forwards add the scores to this step's histogram."""
+        (ineligible; with `gather` also before skipping starts). `static` (model.mod.impl) returns a
+        `Selection` for every eligible sublayer, before the start too (mask all True): the same graph every
+        step. Training forwards add the scores to this step's histogram."""
         if not self.eligible_list[index]:
             return None
         score_BT = score_BT.detach()
+        if self.resolved_impl(score_BT.device) == "static":
+            return self._select_static(index, score_BT)
         mask_BT = score_BT > self.threshold[index]
         # the sublayer's one device->host read: does it skip, how many execute, the most in one sequence (and
         # for attention, the even indices of the transformer, the key ends of its query blocks)
         select = ExecutedTokens(mask_BT, flags=self.skipping[index], queries=index % 2 == 0)
         skipping, n, M = bool(select.flags[0]), select.n, select.M
         executed = n if skipping else score_BT.numel()
+        # attention runs executed queries padded to the longest row: B · max_b count_b rows
+        self._add_scores(index, score_BT, executed, M * mask_BT.shape[0] if skipping else score_BT.numel())
+        return select if skipping else None
+
+    def _select_static(self, index: int, score_BT: torch.Tensor) -> Selection:
+        """The static Selection: the skip flag applied on the device, the counts device adds (no host read)."""
+        mask_BT = (score_BT > self.threshold[index]) | ~self.skipping[index]
+        counts_B = mask_BT.sum(1)
+        padded = counts_B.amax() * mask_BT.shape[0] if mask_BT.shape[0] else counts_B.sum()
+        self._add_scores(index, score_BT, counts_B.sum(), padded)
+        return Selection(mask_BT)
+
+    def _add_scores(self, index: int, score_BT: torch.Tensor, executed, padded) -> None:
+        """This forward's counts of sublayer `index`: the score histogram, tokens, executed tokens and padded
+        query rows (python ints or device tensors alike) for training; executed and tokens otherwise."""
         if self.training:
             bin_N = (score_BT.reshape(-1).float() * self.bins).long().clamp_(0, self.bins - 1)
             hist_K = self.pending_hist[index]  # index_add_, not bincount: no output-size read
             hist_K.index_add_(0, bin_N, torch.ones(bin_N.shape, dtype=hist_K.dtype, device=hist_K.device))
             self.pending_tokens[index] += score_BT.numel()
             self.pending_executed[index] += executed
-            # attention runs executed queries padded to the longest row: B · max_b count_b rows
-            self.pending_padded[index] += M * mask_BT.shape[0] if skipping else score_BT.numel()
+            self.pending_padded[index] += padded
         else:
             self.inference_tokens[index] += score_BT.numel()
             self.inference_executed[index] += executed
-        return select if skipping else None
 
     def pending_counts(self) -> torch.Tensor:
         """This step's counts, packed in one float64 tensor (what `update` all-reduces over ranks)."""

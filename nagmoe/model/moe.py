@@ -54,11 +54,24 @@ class Router(nn.Linear):
             return F.linear(x_ND.float(), self.weight.float())
 
 
-def load_balancing_loss(probs_NE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:
+def live_mean(v_N_: torch.Tensor, live_N: torch.Tensor) -> torch.Tensor:
+    """The mean over the live rows of v (MoD's executed tokens under model.mod.impl=static), on the device;
+    0 when none is live. torch.where, not a product: a masked row never reaches the sum, whatever it holds."""
+    shape = (-1,) + (1,) * (v_N_.dim() - 1)
+    total = torch.where(live_N.view(shape), v_N_, torch.zeros((), dtype=v_N_.dtype, device=v_N_.device)).sum(0)
+    return total / live_N.sum().clamp_min(1).to(v_N_.dtype)
+
+
+def load_balancing_loss(probs_NE: torch.Tensor, counts_E: torch.Tensor, top_k: int,
+                        live_N: Optional[torch.Tensor] = None) -> torch.Tensor:
     """LB = E · Σ_e f_e · P_e, with f_e = counts_e / (N·K) (fraction of routing slots, no gradient) and
     P_e = mean_n probs_ne. Equals 1 when either f or P is uniform (the balanced minimum) and E when every
-    slot and all probability go to one expert."""
+    slot and all probability go to one expert. `live_N`: only those tokens count (N = their number; `counts_E`
+    are theirs), as if the others were not there."""
     N, E = probs_NE.shape
+    if live_N is not None:
+        f_E = counts_E.to(probs_NE.dtype) / (live_N.sum() * top_k).clamp_min(1).to(probs_NE.dtype)
+        return E * (f_E * live_mean(probs_NE, live_N)).sum()
     if N == 0:
         return probs_NE.sum() * 0.0
     f_E = counts_E.to(probs_NE.dtype) / (N * top_k)
@@ -67,25 +80,34 @@ def load_balancing_loss(probs_NE: torch.Tensor, counts_E: torch.Tensor, top_k: i
 
 
 def sequence_balancing_loss(probs_NE: torch.Tensor, expert_NK: torch.Tensor, row_N: torch.Tensor, n_rows: int,
-                            top_k: int) -> torch.Tensor:
+                            top_k: int, live_N: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The sequence-wise LB (model.moe.lb_granularity=sequence): per row b, E · Σ_e f_be · P_be over that row's
     own tokens (f_be = its slots to e / (n_b·K), P_be = its mean probability of e), averaged over the rows that
-    routed any token (MoD may leave a row none). Device ops only: no host read."""
+    routed any token (MoD may leave a row none). `live_N`: only those tokens count. Device ops only: no host
+    read."""
     N, E = probs_NE.shape
     if N == 0:
         return probs_NE.sum() * 0.0
     ones_N = torch.ones(N, dtype=probs_NE.dtype, device=probs_NE.device)
+    if live_N is not None:
+        ones_N = live_N.to(probs_NE.dtype)
+        probs_NE = torch.where(live_N.unsqueeze(1), probs_NE, torch.zeros((), dtype=probs_NE.dtype,
+                                                                          device=probs_NE.device))
     tokens_B = probs_NE.new_zeros(n_rows).index_add_(0, row_N, ones_N)
     P_BE = probs_NE.new_zeros(n_rows, E).index_add(0, row_N, probs_NE) / tokens_B.clamp_min(1).unsqueeze(1)
     slot_S = (row_N.unsqueeze(1) * E + expert_NK).reshape(-1)
-    counts_BE = probs_NE.new_zeros(n_rows * E).index_add_(0, slot_S, ones_N.repeat_interleave(top_k)).view(n_rows, E)
+    ones_S = ones_N.unsqueeze(1).expand(N, top_k).reshape(-1)
+    counts_BE = probs_NE.new_zeros(n_rows * E).index_add_(0, slot_S, ones_S).view(n_rows, E)
     f_BE = counts_BE / (tokens_B * top_k).clamp_min(1).unsqueeze(1)
     live_B = (tokens_B > 0).to(probs_NE.dtype)
     return (E * (f_BE * P_BE).sum(1) * live_B).sum() / live_B.sum().clamp_min(1)
 
 
-def router_z_loss(logits_NE: torch.Tensor) -> torch.Tensor:
-    """Z = mean_n (logsumexp_e logits_ne)²: keeps router logits small (ST-MoE)."""
+def router_z_loss(logits_NE: torch.Tensor, live_N: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Z = mean_n (logsumexp_e logits_ne)²: keeps router logits small (ST-MoE); over the `live_N` tokens only
+    when given."""
+    if live_N is not None:
+        return live_mean(torch.logsumexp(logits_NE, dim=-1).square(), live_N)
     if logits_NE.shape[0] == 0:
         return logits_NE.sum() * 0.0
     return torch.logsumexp(logits_NE, dim=-1).square().mean()
@@ -232,12 +254,17 @@ class MoELayer(nn.Module):
             self.ran["experts"] = expert_path(self.backend, x_SD, self.w_in)
         return EXPERT_FORWARD[self.backend](x_SD, self.w_in, self.w_out, counts_E)
 
-    def forward(self, x_BTD: torch.Tensor, rows: Optional[tuple] = None) -> tuple:
+    def forward(self, x_BTD: torch.Tensor, rows: Optional[tuple] = None, select=None) -> tuple:
         """`rows` = (row_N, n_rows): each token's row when x_BTD is a flat gather of several rows (MoD's
-        executed tokens as (1, N, D)); the sequence-wise balance loss reads it. Default: the B rows of x_BTD."""
+        executed tokens as (1, N, D)); the sequence-wise balance loss reads it. Default: the B rows of x_BTD.
+        `select` (a nagmoe.model.mod.Selection, model.mod.impl=static): every token is routed, but only the
+        executed ones (`select.mask_BT`) take expert slots, count in the statistics and losses and get an
+        output (the others' rows are 0): the same function as running the layer on the gathered executed
+        tokens, with shapes that do not depend on how many execute (`_slots_live`)."""
         B, T, D = x_BTD.shape
         N, E, K = B * T, self.n_experts, self.top_k
         x_ND = x_BTD.reshape(N, D)
+        live_N = None if select is None else select.mask_BT.reshape(N)
 
         # 1. route (fp32)
         logits_NE = self.router(x_ND)
@@ -249,61 +276,54 @@ class MoELayer(nn.Module):
             expert_NK = self.select_experts(probs_NE)
             gate_NK = probs_NE.gather(1, expert_NK)
             unbiased_NK = probs_NE.detach().topk(K, dim=-1).indices
-            rerouted = K * N - (expert_NK.unsqueeze(-1) == unbiased_NK.unsqueeze(1)).any(-1).sum()
+            same_NK = (expert_NK.unsqueeze(-1) == unbiased_NK.unsqueeze(1)).any(-1)
+            if live_N is None:
+                rerouted = K * N - same_NK.sum()
+            else:
+                rerouted = K * live_N.sum() - (same_NK & live_N.unsqueeze(1)).sum()
         expert_S = expert_NK.reshape(-1)  # slot s = n·K + k
-        # routing slots per expert, on the device (bincount would read its output size on the host)
-        counts_E = expert_S.new_zeros(E).index_add_(0, expert_S, torch.ones_like(expert_S))
+        if live_N is None:
+            # routing slots per expert, on the device (bincount would read its output size on the host)
+            counts_E = expert_S.new_zeros(E).index_add_(0, expert_S, torch.ones_like(expert_S))
+        else:  # a skipped token's slots go to a bin E past the experts: sorted last, counted nowhere
+            key_S = torch.where(live_N.unsqueeze(1).expand(N, K).reshape(-1), expert_S, E)
+            counts_E = expert_S.new_zeros(E + 1).index_add_(0, key_S, torch.ones_like(key_S))[:E]
 
         if self.lb_granularity == "sequence":
             row_N, n_rows = rows if rows is not None else (
                 torch.arange(B, device=x_BTD.device).repeat_interleave(T), B)
-            lb = sequence_balancing_loss(probs_NE, expert_NK, row_N, n_rows, K)
+            lb = sequence_balancing_loss(probs_NE, expert_NK, row_N, n_rows, K, live_N)
         else:
-            lb = load_balancing_loss(probs_NE, counts_E, K)
-        z = router_z_loss(logits_NE)
+            lb = load_balancing_loss(probs_NE, counts_E, K, live_N)
+        z = router_z_loss(logits_NE, live_N)
         if self.lb_granularity == "global_batch":  # f needs every rank's counts: GlobalBalance adds the LB term
             aux_loss = self.z_loss_weight * z
-            self.balance_inputs = (probs_NE.mean(0) if N else probs_NE.sum(0) * 0.0, counts_E.detach())
+            P_E = live_mean(probs_NE, live_N) if live_N is not None else (
+                probs_NE.mean(0) if N else probs_NE.sum(0) * 0.0)
+            self.balance_inputs = (P_E, counts_E.detach())
         else:
             aux_loss = self.lb_loss_weight * lb + self.z_loss_weight * z
 
-        # 2. dispatch: slot s = n·K + k; sort slots by expert (stable: token order within an expert). Cast to the
-        # experts' compute dtype first (bf16 under autocast): the slot copy and an expert-parallel payload are then
-        # N·K rows of bf16, not fp32, both ways. One gather from the K-expanded view: its backward writes each
-        # (n, k) once, then sums over k (no colliding index_add).
-        order_S = torch.argsort(expert_NK.reshape(-1), stable=True)
-        x_NKD = x_ND.to(expert_compute_dtype(x_ND)).unsqueeze(1).expand(N, K, D)
-        x_SD = x_NKD[order_S // K, order_S % K]
-
-        # 3. experts (with a capacity: only the kept slots travel; the dropped ones get y = 0)
-        capacity = self.capacity(N) if self.training else None
         self.received_rows = None  # set by an expert-parallel dispatcher (a host int it has read anyway)
-        keep_S = None
-        if capacity is None:
-            y_SD = self.run_experts(x_SD, counts_E)
-            dropped = counts_E.new_zeros(())
+        # 2. dispatch, 3. experts, undo the sort. The expert call stays in this frame: a graph break inside a
+        # nested call would split the compiled unit further (nagmoe/train/speed.py, `_run_experts`)
+        if live_N is None:
+            x_SD, plan = self._slots_all(x_ND, expert_NK, counts_E)
         else:
-            expert_S = expert_NK.reshape(-1)[order_S]
-            position_S = torch.arange(N * K, device=x_SD.device) - (counts_E.cumsum(0) - counts_E)[expert_S]
-            keep_S = position_S < capacity
-            kept_E = counts_E.clamp(max=capacity)
-            index_S = keep_S.nonzero().squeeze(1)
-            y_kept = self.run_experts(x_SD.index_select(0, index_S), kept_E)
-            y_SD = y_kept.new_zeros(N * K, D).index_copy(0, index_S, y_kept)
-            dropped = counts_E.sum() - kept_E.sum()
-
-        # 4. combine: undo the sort, then y_ND = Σ_k gate_NK · y_NKD
-        unsort_S = torch.empty_like(order_S)
-        unsort_S[order_S] = torch.arange(N * K, device=order_S.device)
-        y_NKD = y_SD[unsort_S].view(N, K, D)
-        # the experts' dtype, said explicitly: CUDA's autocast runs a dtype-less `sum` in fp32 (CPU's does not), which
-        # made the output's dtype differ between the machines and the backward an fp32 (N, K, D) temporary
+            x_SD, plan = self._slots_live(x_ND, key_S, counts_E, live_N)
+        y_NKD, kept_NK, dropped = self._unsort(self.run_experts(x_SD, plan[1]), plan)
+        # 4. combine: y_ND = Σ_k gate_NK · y_NKD, in the experts' dtype, said explicitly: CUDA's autocast runs a
+        # dtype-less `sum` in fp32 (CPU's does not), which made the output's dtype differ between the machines and
+        # the backward an fp32 (N, K, D) temporary
         y_ND = (y_NKD * gate_NK.unsqueeze(-1).to(y_NKD.dtype)).sum(dim=1, dtype=y_NKD.dtype)
 
+        entropy_NE = torch.special.entr(probs_NE.detach())
         self.last_stats = {"lb_loss": lb.detach(), "z_loss": z.detach(), "tokens_per_expert": counts_E.detach(),
-                           "router_entropy_sum": torch.special.entr(probs_NE.detach()).sum(),
+                           "router_entropy_sum": entropy_NE.sum() if live_N is None else
+                           torch.where(live_N.unsqueeze(1), entropy_NE, 0.0).sum(),
                            # a fill on the device, not a copy of a host int (a sync per layer on CUDA)
-                           "router_tokens": torch.full((), N, dtype=torch.int64, device=probs_NE.device),
+                           "router_tokens": torch.full((), N, dtype=torch.int64, device=probs_NE.device)
+                           if live_N is None else live_N.sum(),
                            "dropped_slots": dropped,
                            **({"rerouted_slots": rerouted} if rerouted is not None else {}),
                            # a fill on the device from the dispatcher's host int: no copy, no read
@@ -312,15 +332,86 @@ class MoELayer(nn.Module):
                               if self.received_rows is not None else {})}
         if not self.gate_scale_output:
             return y_ND.view(B, T, D), aux_loss
-        if keep_S is None:
+        if kept_NK is None:
             s_N = gate_NK.sum(dim=1)  # the token's summed gate weight S (fp32)
             return y_ND.view(B, T, D), aux_loss, (s_N / s_N.detach()).view(B, T)
-        # with a capacity S sums the kept slots; a token with none kept has no update: gate scale 1, no gradient
-        s_N = (gate_NK * keep_S[unsort_S].view(N, K)).sum(dim=1)
-        live_N = s_N > 0
-        scale_N = torch.where(live_N, s_N / torch.where(live_N, s_N, torch.ones_like(s_N)).detach(),
+        # with a capacity (or MoD's skipped tokens) S sums the kept slots; a token with none kept has no update:
+        # gate scale 1, no gradient
+        s_N = (gate_NK * kept_NK).sum(dim=1)
+        live_s_N = s_N > 0
+        scale_N = torch.where(live_s_N, s_N / torch.where(live_s_N, s_N, torch.ones_like(s_N)).detach(),
                               torch.ones_like(s_N))
         return y_ND.view(B, T, D), aux_loss, scale_N.view(B, T)
+
+    def _slots_all(self, x_ND: torch.Tensor, expert_NK: torch.Tensor, counts_E: torch.Tensor) -> tuple:
+        """Step 2 for every token: (x_SD for the experts, plan). Slot s = n·K + k; slots sorted by expert
+        (stable: token order within an expert). Cast to the experts' compute dtype first (bf16 under autocast):
+        the slot copy and an expert-parallel payload are then N·K rows of bf16, not fp32, both ways. One gather
+        from the K-expanded view: its backward writes each (n, k) once, then sums over k (no colliding
+        index_add). With a capacity only the kept slots travel; the dropped ones get y = 0.
+        plan = (order_S, the counts the experts run, keep_S or None, index_S or None, dropped, None)."""
+        N, D = x_ND.shape
+        K = self.top_k
+        order_S = torch.argsort(expert_NK.reshape(-1), stable=True)
+        x_NKD = x_ND.to(expert_compute_dtype(x_ND)).unsqueeze(1).expand(N, K, D)
+        x_SD = x_NKD[order_S // K, order_S % K]
+        capacity = self.capacity(N) if self.training else None
+        if capacity is None:
+            return x_SD, (order_S, counts_E, None, None, counts_E.new_zeros(()), None)
+        expert_S = expert_NK.reshape(-1)[order_S]
+        position_S = torch.arange(N * K, device=x_SD.device) - (counts_E.cumsum(0) - counts_E)[expert_S]
+        keep_S = position_S < capacity
+        kept_E = counts_E.clamp(max=capacity)
+        index_S = keep_S.nonzero().squeeze(1)
+        return x_SD.index_select(0, index_S), (order_S, kept_E, keep_S, index_S, counts_E.sum() - kept_E.sum(), None)
+
+    def _slots_live(self, x_ND: torch.Tensor, key_S: torch.Tensor, counts_E: torch.Tensor,
+                    live_N: torch.Tensor) -> tuple:
+        """Step 2 with static shapes for MoD (model.mod.impl=static): every slot is sorted, the skipped tokens'
+        slots (key E) last, and with a capacity the dropped ones after them, so the executed slots are the
+        first rows of x_SD and the grouped GEMM's offsets stop there; the tail is masked by torch.where (never
+        a product: the experts leave it unwritten, uninitialised memory, and NaN·0 = NaN), on the way in too,
+        so no gradient from it reaches a token. No host read but an expert-parallel dispatcher's (only the
+        executed slots travel) or the loop backend's. plan as `_slots_all`'s, with valid_S1 last."""
+        N, D = x_ND.shape
+        K, E, S = self.top_k, self.n_experts, key_S.numel()
+        kept_E, dropped = counts_E, counts_E.new_zeros(())
+        if self.capacity_factor is not None and self.training:
+            # expert_capacity on the device: ceil(f·n·K/E) over the n executed tokens, at least 1
+            capacity = torch.ceil(self.capacity_factor * live_N.sum().double() * K / E).clamp_min(1)
+            sorted_key_S, first_S = torch.sort(key_S, stable=True)
+            starts_E1 = torch.cat([counts_E.cumsum(0) - counts_E, counts_E.new_zeros(1)])
+            position_S = torch.arange(S, device=key_S.device) - starts_E1[sorted_key_S]
+            dropped_S = (sorted_key_S < E) & (position_S >= capacity)  # a later token never displaces an earlier one
+            key_S = key_S.scatter(0, first_S, torch.where(dropped_S, E, sorted_key_S))  # a permutation
+            kept_E = counts_E.clamp(max=capacity.to(counts_E.dtype))
+            dropped = counts_E.sum() - kept_E.sum()
+        order_S = torch.argsort(key_S, stable=True)
+        valid_S1 = (torch.arange(S, device=key_S.device) < kept_E.sum()).unsqueeze(1)
+        x_NKD = x_ND.to(expert_compute_dtype(x_ND)).unsqueeze(1).expand(N, K, D)
+        zero = torch.zeros((), dtype=x_NKD.dtype, device=x_NKD.device)
+        x_SD = torch.where(valid_S1, x_NKD[order_S // K, order_S % K], zero)
+        if self.dispatcher is not None:  # only the executed slots travel (the dispatcher reads its sizes anyway)
+            x_SD = x_SD[:int(kept_E.sum())]
+        return x_SD, (order_S, kept_E, None, None, dropped, valid_S1)
+
+    def _unsort(self, y_SD: torch.Tensor, plan: tuple) -> tuple:
+        """The experts' slot outputs back in (N, K, D) token order: (y_NKD, kept_NK or None (every slot kept),
+        dropped). Dropped and skipped slots are 0."""
+        order_S, _, keep_S, index_S, dropped, valid_S1 = plan
+        S, D = order_S.numel(), y_SD.shape[-1]
+        K = self.top_k
+        if index_S is not None:  # a capacity: the kept slots' outputs into their rows
+            y_SD = y_SD.new_zeros(S, D).index_copy(0, index_S, y_SD)
+        if valid_S1 is not None:
+            if y_SD.shape[0] != S:  # the loop backend and a dispatcher return the executed slots only
+                y_SD = torch.cat([y_SD, y_SD.new_zeros(S - y_SD.shape[0], D)])
+            y_SD = torch.where(valid_S1, y_SD, torch.zeros((), dtype=y_SD.dtype, device=y_SD.device))
+        unsort_S = torch.empty_like(order_S)
+        unsort_S[order_S] = torch.arange(S, device=order_S.device)
+        kept = keep_S if valid_S1 is None else valid_S1.squeeze(1)
+        return (y_SD[unsort_S].view(S // K, K, D), None if kept is None else kept[unsort_S].view(S // K, K),
+                dropped)
 
 
 class GlobalBalance:

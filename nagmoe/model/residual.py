@@ -32,7 +32,7 @@ from nagmoe.model.roles import GATE, SCALAR
 from nagmoe.model.common import rms_norm
 from nagmoe.model.init_rng import ParamInit
 from nagmoe.config.flops import skippable_flops_per_sublayer
-from nagmoe.model.mod import eligible_sublayers
+from nagmoe.model.mod import Selection, eligible_sublayers
 from nagmoe.model.mod_calibration import MoDCalibrator
 from nagmoe.model.nag import modulator, rms_normalise, rotation_score
 from nagmoe.model.stats import StatsCollector, mean_angle, mean_log_rms, mean_rms
@@ -225,7 +225,7 @@ class NAGResidual(ResidualStream):
                                      mode=mod.threshold,
                                      work_weights=skippable_flops_per_sublayer(model_cfg, model_cfg.max_seq_len),
                                      max_sublayer_skip=mod.max_sublayer_skip,
-                                     p_thres=mod.p_thres)
+                                     p_thres=mod.p_thres, impl=mod.impl)
         # Injection warm-up factor in [0, 1], set by the trainer each step; not saved (the trainer re-sets it).
         self.register_buffer("injection_warmup", torch.ones((), dtype=torch.float32), persistent=False)
 
@@ -277,6 +277,13 @@ class NAGResidual(ResidualStream):
             if select is None:  # every token executes (ineligible, or before the start)
                 f_BTD, aux, gate_scale_BT = _unpack(sublayer(direction_BTD))
                 f_BTD = f_BTD + gate.base.to(f_BTD.dtype)  # F(R_bar) + X_l
+            elif isinstance(select, Selection):  # static: every row computed, the skipped ones discarded
+                y_BTD, aux, gate_scale_BT = _unpack(sublayer(direction_BTD, select=select))
+                base = gate.base.to(y_BTD.dtype)
+                mask_BT1 = select.mask_BT.unsqueeze(-1)
+                f_BTD = torch.where(mask_BT1, y_BTD + base, base)  # where, not a product: a NaN row stays out
+                if gate_scale_BT is not None:
+                    gate_scale_BT = torch.where(select.mask_BT, gate_scale_BT, 1.0)
             else:  # F on the executed tokens only: X_l + F(R_bar) executed, X_l skipped, in one pass
                 y_ND, aux, gate_scale_N = _unpack(sublayer(direction_BTD, select=select))
                 f_BTD = select.scatter_onto(gate.base, y_ND)
@@ -318,7 +325,8 @@ class NAGResidual(ResidualStream):
         if self.mod is not None:
             stats.add_sublayer(
                 score_mean=rotation_score(gate.alpha, m_BT).mean(),
-                executed_frac=1.0 if select is None else select.n / max(1, m_BT.numel()))
+                executed_frac=1.0 if select is None else
+                select.mask_BT.float().mean() if isinstance(select, Selection) else select.n / max(1, m_BT.numel()))
 
 
 RESIDUAL_STREAMS = {"prenorm": PreNormResidual, "nag": NAGResidual}

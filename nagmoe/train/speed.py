@@ -10,12 +10,16 @@ compile (`train.compile`: auto | true | false; auto = on for CUDA, off for CPU; 
     itself (pre-norm's norm and add, NAG's modulator and update) runs between the units: NAG's through
     `model.nag.impl` (`compiled` on CUDA: its own fused regions, also index-free), the embedding, the decode
     and the loss eagerly. Dynamic sizes:
-      - MoD's FFN runs on the gathered executed tokens `(1, N, D)`: N changes every step, so the first such
-        call recompiles once with N symbolic (`dynamic=None`, automatic dynamic shapes) and later steps reuse
-        that graph;
-      - MoD's attention (`select=`, python counts and per-slot key ends) and decoding with an inference cache
-        (`cache=`) run the sublayer eagerly: those python ints would otherwise be guarded and recompile per
-        step;
+      - static MoD (`model.mod.impl=static`, the CUDA default): `select=Selection` (a device mask, fixed
+        shapes) goes to the sublayer's MoD unit, compiled once per class like the plain one, with
+        fullgraph=True but for the MoE (its expert call may leave the graph, below): the same graphs before and
+        after skipping starts, whatever the counts;
+      - gather MoD's FFN runs on the gathered executed tokens `(1, N, D)` (`rows=` too, to the MoD unit): N
+        changes every step, so the first such call recompiles once with N symbolic (`dynamic=None`, automatic
+        dynamic shapes) and later steps reuse that graph;
+      - gather MoD's attention (`select=ExecutedTokens`: python counts and per-slot key ends) and decoding with
+        an inference cache (`cache=`) run the sublayer eagerly: those python ints would otherwise be guarded
+        and recompile per step;
       - the MoE's expert call stays in the graph only where it has no host read (the grouped backend,
         `torch._grouped_mm` in bf16, no expert-parallel dispatcher); otherwise it runs eagerly between two
         graphs (the loop backend's per-expert counts and the EP all-to-all's split sizes are python ints).
@@ -67,11 +71,18 @@ def _checkpointed_forward(module: torch.nn.Module, forward, *args, **kwargs):
 
 
 def _routed_forward(module: torch.nn.Module, compiled, eager, x, *args, **kwargs):
-    """The compiled unit for a plain call `sublayer(x)`; MoD's `select=` and decoding's `cache=` run eagerly
-    (module docstring)."""
-    if args or any(v is not None for v in kwargs.values()):
-        return eager(x, *args, **kwargs)
-    return compiled(module, x)
+    """The compiled unit for a plain call `sublayer(x)`; static MoD's `select=Selection` (and a gathered MoE's
+    `rows=`) to the MoD unit (`_compiled_mod_forward`); gather MoD's `select=ExecutedTokens` and decoding's
+    `cache=` run eagerly (module docstring)."""
+    from nagmoe.model.mod import Selection
+
+    given = {k: v for k, v in kwargs.items() if v is not None}
+    if not args and not given:
+        return compiled(module, x)
+    select = given.get("select")
+    if not args and "cache" not in given and (select is None or isinstance(select, Selection)):
+        return module.__dict__["_compiled_mod_forward"](module, x, **given)
+    return eager(x, *args, **kwargs)
 
 
 def _install_forward(module: torch.nn.Module) -> None:
@@ -107,12 +118,18 @@ def enable_activation_checkpointing(model) -> int:
 _COMPILED: dict = {}  # (sublayer class, backend) -> the compiled class forward, shared by every instance
 
 
-def _compiled_class_forward(cls, backend):
-    key = (cls, backend)
+def _compiled_class_forward(cls, backend, mod_unit: bool = False):
+    """The compiled class forward shared by every instance; `mod_unit`: the one for MoD's calls (`select=`,
+    `rows=`), a separate compiled object so its graphs never evict the plain ones. A static-MoD unit has no host
+    read by construction: it compiles with fullgraph=True (a `.item()`, `.tolist()` or `nonzero` in it fails
+    the compile instead of breaking the graph), except a MoE's, whose expert call may leave the graph on
+    purpose (`_run_experts`)."""
+    key = (cls, backend, mod_unit)
     if key not in _COMPILED:
-        # dynamic=None: static shapes first; a size that changes (MoD's executed tokens, a short last eval
-        # batch) recompiles once as a symbolic size, then that graph serves every later size
-        _COMPILED[key] = torch.compile(cls.forward, dynamic=None, backend=backend)
+        # dynamic=None: static shapes first; a size that changes (gather MoD's executed tokens, a short last
+        # eval batch) recompiles once as a symbolic size, then that graph serves every later size
+        fullgraph = mod_unit and not hasattr(cls, "run_experts")
+        _COMPILED[key] = torch.compile(cls.forward, dynamic=None, backend=backend, fullgraph=fullgraph)
     return _COMPILED[key]
 
 
@@ -147,6 +164,7 @@ def compile_model(model, backend="inductor") -> dict:
             run = sublayer.run_experts
             sublayer.run_experts = functools.partial(_run_experts, sublayer, run, torch.compiler.disable(run))
         sublayer._compiled_forward = _compiled_class_forward(cls, backend)
+        sublayer._compiled_mod_forward = _compiled_class_forward(cls, backend, mod_unit=True)
         _install_forward(sublayer)
     return {"unit": "sublayer", "classes": classes, "backend": backend if isinstance(backend, str) else "custom"}
 

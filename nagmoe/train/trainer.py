@@ -97,6 +97,9 @@ def resolved_backends(model) -> dict:
     stream = getattr(model, "stream", None)
     if hasattr(stream, "impl"):  # the NAG update and modulator (model.nag.impl)
         out[f"{type(stream).__name__}.impl"] = stream.impl
+    calibrator = model.mod_calibrator() if hasattr(model, "mod_calibrator") else None
+    if calibrator is not None:  # model.mod.impl where the model lives: gather | static
+        out["MoD.impl"] = calibrator.resolved_impl(calibrator.threshold.device)
     return out
 
 

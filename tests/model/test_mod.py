@@ -271,8 +271,10 @@ def test_skipped_token_update_is_the_base_vector_update_and_gates_learn_from_it(
 # Causality and decoding
 # ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("threshold", list(THRESHOLD_MODES))
-def test_skip_decisions_are_causal(threshold):
+@pytest.mark.parametrize("mod_impl", ["gather", "static"])
+def test_skip_decisions_are_causal(threshold, mod_impl):
     model = calibrate(mod_model("ccgqa", "sdpa", "moe", threshold=threshold), _idx(seed=9)).eval()
+    model.stream.mod.impl = mod_impl
     idx = _idx(T=24, seed=1)
     changed = idx.clone()
     changed[:, 14:] = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(2))
@@ -294,10 +296,12 @@ def test_skip_decisions_are_causal(threshold):
     torch.testing.assert_close(a_logits[:, :14], b_logits[:, :14], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attention, threshold", [("gqa", "global"), ("cca", "global"), ("cca", "per_sublayer"),
-                                                  ("cca", "fixed")])
-def test_cached_decoding_makes_the_full_forwards_decisions(attention, threshold):
+@pytest.mark.parametrize("attention, threshold, mod_impl", [
+    ("gqa", "global", "gather"), ("cca", "global", "gather"), ("cca", "per_sublayer", "gather"),
+    ("cca", "fixed", "gather"), ("gqa", "global", "static"), ("cca", "global", "static")])
+def test_cached_decoding_makes_the_full_forwards_decisions(attention, threshold, mod_impl):
     model = calibrate(mod_model(attention, "sdpa", "moe", threshold=threshold), _idx(seed=4)).eval()
+    model.stream.mod.impl = mod_impl
     idx = _idx(B=1, T=20, seed=6)
     spy = DecisionSpy(model.stream.mod)
     with torch.no_grad():
