@@ -279,19 +279,17 @@ class NAGResidual(ResidualStream):
                 f_BTD = f_BTD + gate.base.to(f_BTD.dtype)  # F(R_bar) + X_l
             elif isinstance(select, Selection):  # static: every row computed, the skipped ones discarded
                 y_BTD, aux, gate_scale_BT = _unpack(sublayer(direction_BTD, select=select))
-                base = gate.base.to(y_BTD.dtype)
-                mask_BT1 = select.mask_BT.unsqueeze(-1)
-                f_BTD = torch.where(mask_BT1, y_BTD + base, base)  # where, not a product: a NaN row stays out
-                if gate_scale_BT is not None:
-                    gate_scale_BT = torch.where(select.mask_BT, gate_scale_BT, 1.0)
+                new_log_norm_BT, new_direction_BTD = self.ops.masked_update(  # one region (nag_fused.py)
+                    log_norm_BT, direction_BTD, y_BTD, gate.base, select.mask_BT, scale_BT, self.eps, gate_scale_BT)
             else:  # F on the executed tokens only: X_l + F(R_bar) executed, X_l skipped, in one pass
                 y_ND, aux, gate_scale_N = _unpack(sublayer(direction_BTD, select=select))
                 f_BTD = select.scatter_onto(gate.base, y_ND)
                 gate_scale_BT = (None if gate_scale_N is None  # 1 for skipped tokens, S / sg(S) for executed
                                  else select.scatter_onto(gate_scale_N.new_ones(()), gate_scale_N - 1.0))
-            step_BT = scale_BT if gate_scale_BT is None else scale_BT * gate_scale_BT
-            new_log_norm_BT, new_direction_BTD = self.ops.update(log_norm_BT, direction_BTD, f_BTD, step_BT,
-                                                                 self.eps)
+            if not isinstance(select, Selection):
+                step_BT = scale_BT if gate_scale_BT is None else scale_BT * gate_scale_BT
+                new_log_norm_BT, new_direction_BTD = self.ops.update(log_norm_BT, direction_BTD, f_BTD, step_BT,
+                                                                     self.eps)
         if stats is not None:
             self._record(stats, gate, state, new_log_norm_BT, new_direction_BTD, m_BT, scale_BT, select)
         return NAGState(new_log_norm_BT, new_direction_BTD), aux

@@ -28,7 +28,8 @@ dispatch mode is on the stack, and fullgraph=True turns that skip into "found no
 instrument then sees the eager ops, the same functions the compiled region fuses.
 
 `gated_update` fuses the modulator with the update (one region) when the modulator is needed only for the
-update; under MoD the modulator is needed before the branch runs, so `modulator` and `update` are two regions.
+update; under MoD the modulator is needed before the branch runs, so `modulator` and `update` are two regions
+(static MoD: `masked_update`, the base vector, the executed-row mask and the gate scale inside the update's region).
 """
 from __future__ import annotations
 
@@ -98,7 +99,17 @@ def _gated_update(log_norm_BT, direction_BTD, branch_BTD, weight_CD, bias_C, coe
     return new_log_norm_BT, new_direction_BTD, m_BT, scale_BT
 
 
-_EAGER = (eager_modulator, eager_nag_update, _gated_update)
+def _masked_update(log_norm_BT, direction_BTD, y_BTD, base_D, mask_BT, scale_BT, eps: float, gate_scale_BT=None):
+    """Static MoD's update (model.mod.impl=static) in one function: f = X_l + F(R_bar) on the executed rows,
+    f = X_l on the skipped ones (torch.where: a skipped row's value never enters, whatever it holds), the MoE's
+    gate scale on the executed rows only, then the NAG update. Returns (log_norm', direction')."""
+    base_D = base_D.to(y_BTD.dtype)
+    f_BTD = torch.where(mask_BT.unsqueeze(-1), y_BTD + base_D, base_D)
+    step_BT = scale_BT if gate_scale_BT is None else scale_BT * torch.where(mask_BT, gate_scale_BT, 1.0)
+    return eager_nag_update(log_norm_BT, direction_BTD, f_BTD, step_BT, eps)
+
+
+_EAGER = (eager_modulator, eager_nag_update, _gated_update, _masked_update)
 
 
 def dispatch_mode_active() -> bool:
@@ -132,14 +143,14 @@ def _compiled() -> tuple:
 
 
 class NAGOps:
-    """The three NAG functions of `model.nag.impl` (auto, eager, compiled): `modulator`, `update`
-    (= nag_math.nag_update) and `gated_update`. Each call takes the backend resolved for its tensors' device
+    """The NAG functions of `model.nag.impl` (auto, eager, compiled): `modulator`, `update`
+    (= nag_math.nag_update), `gated_update` and `masked_update` (static MoD). Each call takes the backend resolved for its tensors' device
     (the direction's), once per device type, logged on first use."""
 
     def __init__(self, requested: str = "auto"):
         _check_known(requested)
         self.requested = requested
-        self._by_device: dict[str, tuple] = {}  # device type -> (backend, modulator, update, gated_update)
+        self._by_device: dict[str, tuple] = {}  # device type -> (backend, modulator, update, gated, masked)
 
     def _for(self, device) -> tuple:
         device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
@@ -163,3 +174,6 @@ class NAGOps:
 
     def gated_update(self, log_norm_BT, direction_BTD, *args, **kwargs):
         return self._for(direction_BTD.device)[3](log_norm_BT, direction_BTD, *args, **kwargs)
+
+    def masked_update(self, log_norm_BT, direction_BTD, *args, **kwargs):
+        return self._for(direction_BTD.device)[4](log_norm_BT, direction_BTD, *args, **kwargs)

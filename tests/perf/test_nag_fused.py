@@ -176,3 +176,26 @@ def test_compiled_regions_run_eagerly_under_an_active_dispatch_mode():
         torch.testing.assert_close(f, e, rtol=0, atol=0)  # the eager functions themselves
     assert {"addmm", "sigmoid", "log1p"} <= seen.names  # the modulator's linear and the update, op by op
     assert syncs.total == 0 and not contracts.violations
+
+
+def test_masked_update_is_one_region_equal_to_the_where_and_the_update():
+    """Static MoD's update (issue 59): base vector, executed-row mask and gate scale inside the update's region,
+    compiled equal to eager, eager equal to its definition; a NaN in a skipped row of the branch never enters
+    (torch.where, not a product)."""
+    eager, fused = NAGOps("eager"), NAGOps("compiled")
+    x = _inputs(5)
+    gen = torch.Generator().manual_seed(6)
+    mask = torch.rand(B, T, generator=gen) > 0.4
+    scale = (torch.rand(B, T, generator=gen) * 2).requires_grad_(True)
+    gate_scale = (1 + 0.1 * torch.randn(B, T, generator=gen)).requires_grad_(True)
+    base = (0.1 * torch.randn(D, generator=gen)).requires_grad_(True)
+    inputs = {**x, "scale": scale, "gate_scale": gate_scale, "base": base}
+    branch = x["branch"] + torch.where(mask.unsqueeze(-1), 0.0, float("nan"))  # skipped rows: garbage
+    args = (x["log_norm"], x["direction"], branch, base, mask, scale, 1e-6, gate_scale)
+    e_out, f_out = eager.masked_update(*args), fused.masked_update(*args)
+    assert all(torch.isfinite(o).all() for o in e_out)
+    _compare(e_out, f_out, _grads(e_out, inputs, 5), _grads(f_out, inputs, 5), tol=2e-5)
+    f = torch.where(mask.unsqueeze(-1), x["branch"] + base, base)
+    want = eager.update(x["log_norm"], x["direction"], f, scale * torch.where(mask, gate_scale, 1.0), 1e-6)
+    for got, ref in zip(e_out, want):
+        assert torch.equal(got, ref)
