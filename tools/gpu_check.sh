@@ -16,7 +16,13 @@
 #                    and their sites, losses, MoD's realised skip; the summary adds NAG / baseline step time and
 #                    MoD's wall-clock gain vs its FLOP gain; a warning off sm90/sm100 (_grouped_mm's fast path). A
 #                    failed compile is recorded, then the config runs eager in a fresh process
-#   mod_block        the MoD block benchmark (tools/bench_mod.py --block, issue 28) at the paper's 16-row micro-batch
+#   mod_speed        issue 59: the first GPU run found NAG+MoD-20% 33x slower than NAG (gather MoD: new shapes and a
+#                    host read per sublayer); static MoD (model.mod.impl, the CUDA default) must save in step time
+#                    what it skips. nag-mod20-r40 through the Trainer: after 2 steps the compute dial pins skip rates
+#                    0 (NAG's compute), 0.2, 0.5; per rate step and micro-step (forward+backward) time, the realised
+#                    executed fraction, host reads (SyncCounter; GPU: a step under sync debug mode "error"), peak
+#                    memory, a profiler step (mod_speed_profile_<rate>.txt); from rate 0's profile the skippable
+#                    share of the step; saved = 1 - step(0.2)/step(0) against 0.9 * 0.2 * share (tools/gpu_check_mod.py)
 #   resume           a 4-layer nag-mod20-r40 saved and resumed through the Trainer: losses match the straight run
 #   tests            tests/gpu/ (gpu-marked)
 #   dcp              a DCP checkpoint of this torch read back through the restricted unpickler (.metadata kept)
@@ -34,6 +40,8 @@
 #                                 # autocast rules of torch 2.11 (NAGMOE_CUDA_RULES, nagmoe/cuda_rules)
 # Results: $GPU_CHECK_OUT (default: $OUT if set, else a temporary folder): bench.json, gpu_check.log (every
 # section's output), the DCP .metadata. Run dirs, data and compile caches live in a scratch folder removed at the end.
+# On request only (GPU_CHECK_SECTIONS=mod_block): mod_block, the MoD block benchmark (tools/bench_mod.py --block,
+# issue 28) at the paper's 16-row micro-batch; mod_speed answers its question through the Trainer.
 # Test hooks: GPU_CHECK_SECTIONS=a,b (only those), GPU_CHECK_FAIL=name (that section fails at its start),
 # GPU_CHECK_HANG=name (it hangs until its limit), GPU_CHECK_LIMIT_<name>=seconds (another limit).
 # GPU_CHECK_BUDGET and GPU_CHECK_LIMIT_* must be whole seconds: anything else stops the script at once with one line
@@ -91,14 +99,17 @@ if [[ $MODE == cpu ]]; then
   # meets the dtypes the GPU run will meet. NAGMOE_CUDA_RULES= (empty) runs plain fp32.
   export NAGMOE_CUDA_RULES="${NAGMOE_CUDA_RULES-2.11}"
   BUDGET=$((10#${GPU_CHECK_BUDGET:-200}))  # 10#: 08 is eight, not an octal error
-  SECTIONS=(env:15 data:15 train_nag:30 train_baseline:25 train_nag_mod20:25 mod_block:20 resume:35 tests:20 dcp:15)
+  SECTIONS=(env:15 data:15 train_nag:30 train_baseline:25 train_nag_mod20:25 mod_speed:20 resume:35 tests:20 dcp:15)
+  ON_REQUEST=(mod_block:20)  # run only when GPU_CHECK_SECTIONS names them (after the listed ones)
 else
   BUDGET=$((10#${GPU_CHECK_BUDGET:-470}))  # + at most 5 s of a last kill and the summary: under 8 minutes
   # measured on the H200 (docs/benchmarks.md): env 18 s, data 3, train_nag 65 cold (42 s compile), train_baseline
-  # 40 with the caches, train_nag_mod20 13 s a step once MoD skips (its steps are kept as they come), tests 51, dcp
-  # 9-11, install 11
-  SECTIONS=(env:30 data:10 train_nag:90 train_baseline:55 train_nag_mod20:75 mod_block:45 resume:60 tests:60 dcp:20
+  # 40 with the caches, train_nag_mod20 13 s a step once MoD skips (gather; static MoD is meant to step near NAG's
+  # time), tests 51, dcp 9-11, install 11. mod_speed (not yet measured): 17 steps with the caches, 3 profiles
+  # (a profile that would not fit its limit is skipped and said so)
+  SECTIONS=(env:30 data:10 train_nag:90 train_baseline:55 train_nag_mod20:45 mod_speed:80 resume:55 tests:60 dcp:20
             install:25)
+  ON_REQUEST=(mod_block:45)  # run only when GPU_CHECK_SECTIONS names them (after the listed ones)
 fi
 # compiled kernels shared between the section processes (inductor's FX graph and Triton caches)
 export TORCHINDUCTOR_CACHE_DIR="$WORK/inductor" TRITON_CACHE_DIR="$WORK/triton"
@@ -140,6 +151,10 @@ for entry in "${SECTIONS[@]}"; do
   name=${entry%%:*}
   if [[ -n "${GPU_CHECK_SECTIONS:-}" && ",$GPU_CHECK_SECTIONS," != *",$name,"* ]]; then continue; fi
   run_section "$name" "${entry##*:}"
+done
+for entry in "${ON_REQUEST[@]}"; do  # outside the budget's default list: only by name
+  name=${entry%%:*}
+  if [[ ",${GPU_CHECK_SECTIONS:-}," == *",$name,"* ]]; then run_section "$name" "${entry##*:}"; fi
 done
 "${DRIVER[@]}" summary --out "$RESULTS" | tee -a "$LOG"
 exit "$FAILED"

@@ -13,8 +13,8 @@ end (killed at its time limit, crashed): it replaces only a missing or "running"
 section's seconds against its limit and writes the comparisons across the training sections.
 GPU_CHECK_FAIL=NAME[,NAME] makes those sections fail at their start, GPU_CHECK_HANG=NAME[,NAME] makes them hang
 until the shell's limit kills them (the tests of this very recording).
-The training sections are in tools/gpu_check_train.py, the store in tools/gpu_check_common.py; this file holds
-the driver and the short sections.
+The training sections are in tools/gpu_check_train.py, MoD's speed section (issue 59) in tools/gpu_check_mod.py,
+the store in tools/gpu_check_common.py; this file holds the driver and the short sections.
 """
 from __future__ import annotations
 
@@ -156,11 +156,12 @@ def section_mod_block(ctx: Ctx) -> dict:
 
 
 def sections() -> dict:
+    import gpu_check_mod as mod  # issue 59's MoD speed section (imports nothing of this file)
     import gpu_check_train as train  # the training sections (imports nothing of this file)
 
     return {"install": section_install, "data": train.section_data, **train.TRAIN_SECTIONS,
-            "resume": train.section_resume, "mod_block": section_mod_block, "env": section_env,
-            "tests": section_tests, "dcp": section_dcp}
+            "mod_speed": mod.section_mod_speed, "resume": train.section_resume, "mod_block": section_mod_block,
+            "env": section_env, "tests": section_tests, "dcp": section_dcp}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -225,8 +226,8 @@ def _fmt(v, spec=".3g"):
 
 
 def cmd_summary(args) -> int:
-    """Each section's status, seconds and limit (the budget's accounting), the training table, and the
-    comparisons across the training sections, also written into bench.json as "comparison"."""
+    """Each section's status, seconds and limit (the budget's accounting), the training table, the
+    comparisons across the training sections, also written into bench.json as "comparison", and mod_speed's line."""
     import gpu_check_train as train
 
     data = load(args.out)
@@ -265,6 +266,12 @@ def cmd_summary(args) -> int:
         print(f"MoD: skip {_fmt(mod.get('skip_rate'))}, wall speed-up {_fmt(mod.get('wall_clock_speedup'))} vs "
               f"charged-FLOP ratio {_fmt(mod.get('charged_flop_ratio'))}: gain share "
               f"{_fmt(mod.get('gain_fraction_of_flop_gain'))}")
+    speed = data["sections"].get("mod_speed")
+    if speed:  # issue 59's line: the dialled rates' step times against the skippable share
+        import gpu_check_mod
+
+        print(gpu_check_mod.summary_line(speed["result"]) if speed.get("result") else
+              f"MoD speed: {speed.get('status')}: {(speed.get('error') or '')[:100]}")
     return 0
 
 

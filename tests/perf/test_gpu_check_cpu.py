@@ -12,7 +12,8 @@ import sys
 import pytest
 
 TRAIN = ("train_nag", "train_baseline", "train_nag_mod20")
-CPU_SECTIONS = ("env", "data", *TRAIN, "mod_block", "resume", "tests", "dcp")  # the GPU's order, less `install`
+CPU_SECTIONS = ("env", "data", *TRAIN, "mod_speed", "resume", "tests", "dcp")  # the GPU's order, less `install`
+RATES = ("0", "0.2", "0.5")  # mod_speed's dialled skip rates (issue 59)
 HIDDEN = ("datasets", "wandb", "deepspeed", "transformers", "lm_eval", "flash_attn", "megablocks", "grouped_gemm")
 
 
@@ -54,11 +55,46 @@ def test_gpu_check_cpu_mode_records_every_section(repo_root, tmp_path):
     assert resume["losses_resumed"] == pytest.approx(resume["losses_straight"], rel=resume["tolerance"])
     assert sections["env"]["result"]["hidden"] == list(HIDDEN)
     assert "aten::pow.Tensor_Scalar" in sections["env"]["result"]["autocast"]["cuda_registrations"]
-    assert sections["mod_block"]["result"]["precision"]["compute_dtype"] == "bfloat16"
+    check_mod_speed(sections["mod_speed"]["result"], tmp_path)
     assert "skipped" in sections["tests"]["result"]["summary"]  # the gpu tests were collected, then skipped
     assert (tmp_path / sections["dcp"]["result"]["metadata"]).is_file()
     assert "| train_nag_mod20 |" in proc.stdout and "NAG / baseline step time" in proc.stdout
     assert "resume           ok" in proc.stdout and " s of a 200 s budget" in proc.stdout
+    assert "MoD speed (gather, off): step s at 0/0.2/0.5: " in proc.stdout  # the summary's mod_speed line
+
+
+def check_mod_speed(r, out):
+    """Issue 59's section on the CPU: gather MoD (the CPU default), each dialled rate timed, its host reads counted
+    and profiled; the skippable share from rate 0's profile and the derived check recorded."""
+    assert r["mod_impl"] == "gather" and r["backends"]["MoD.impl"] == "gather" and r["compile"] == "off"
+    assert r["config"] == "configs/paper/nag-mod20-r40.yaml" and r["warmup_steps"] >= 2 and r["skipping_after_warmup"]
+    assert list(r["rates"]) == list(RATES)
+    for key, rate in r["rates"].items():
+        assert rate["step_s"] > 0 and rate["micro_step_s"] > 0, (key, rate)
+        assert len(rate["micro_step_s_all"]) == rate["micro_steps_per_step"] * r["timed_steps_per_rate"] == 4
+        # gather: one host read per MoD sublayer and micro-step, the calibrator's and the metrics' read per step
+        assert rate["syncs_per_step"] == 2 * 4 + 2 and rate["sync_sites"], (key, rate)
+        assert rate["sync_error"] is None and rate["peak_bytes"] is None  # CUDA-only readings
+        assert (out / rate["profile"]).is_file() and rate["profile"] == f"mod_speed_profile_{key}.txt"
+        assert "Self CPU time total" in (out / rate["profile"]).read_text()
+    executed = [r["rates"][k]["executed_fraction"] for k in RATES]
+    assert executed[0] == 1.0 and executed[2] < executed[1] < 1.0, executed  # the dial skips more at 0.5
+    shares = r["skippable_share_by_sublayer"]
+    assert set(shares) == {"CCAttention", "MoELayer"} and all(v > 0 for v in shares.values())
+    assert 0 < r["skippable_backward_share"] < r["skippable_share"] < 1
+    assert r["skippable_share"] == pytest.approx(sum(shares.values()))
+    assert 0 < r["skippable_share_ops"] < 1
+    assert r["saved_0_2"] == pytest.approx(1 - r["rates"]["0.2"]["step_s"] / r["rates"]["0"]["step_s"])
+    assert r["target_0_2"] == pytest.approx(0.9 * 0.2 * r["skippable_share"])
+    assert r["meets_0_9"] is (r["saved_0_2"] >= r["target_0_2"])
+
+
+def test_mod_block_runs_by_name_only(repo_root, tmp_path):
+    """mod_block left the default lists (mod_speed answers issue 59 through the Trainer); named, it still runs."""
+    proc, bench = gpu_check(repo_root, tmp_path, GPU_CHECK_SECTIONS="mod_block")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert list(bench["sections"]) == ["mod_block"] and bench["sections"]["mod_block"]["status"] == "ok"
+    assert bench["sections"]["mod_block"]["result"]["precision"]["compute_dtype"] == "bfloat16"
 
 
 def test_a_failing_or_killed_section_leaves_the_others(repo_root, tmp_path):

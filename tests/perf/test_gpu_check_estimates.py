@@ -114,8 +114,13 @@ def test_the_gpu_sections_fit_the_budget():
     # issue 52: under 8 minutes of script time, so a rerun fits a 15-minute lease (docs/benchmarks.md: the evidence
     # behind each limit); the answers only a GPU gives first, the install last
     assert budget == 470 < 8 * 60 and sum(map(int, limits.values())) <= budget, limits
-    assert list(limits) == ["env", "data", "train_nag", "train_baseline", "train_nag_mod20", "mod_block", "resume",
+    assert list(limits) == ["env", "data", "train_nag", "train_baseline", "train_nag_mod20", "mod_speed", "resume",
                             "tests", "dcp", "install"]  # each training config its own process
+    assert sum(map(int, limits.values())) == budget and limits["mod_speed"] == "80"  # issue 59's section
+    cpu = script.split("if [[ $MODE == cpu ]]; then\n", 1)[1].split("\nelse\n", 1)[0]
+    cpu_limits = dict(re.findall(r"(\w+):(\d+)", cpu.split("SECTIONS=(", 1)[1].split(")", 1)[0]))
+    assert sum(map(int, cpu_limits.values())) == 200 and "mod_block" not in cpu_limits  # mod_block: by name only
+    assert re.search(r"ON_REQUEST=\(mod_block:\d+\)", cpu) and re.search(r"ON_REQUEST=\(mod_block:\d+\)", gpu)
 
 
 def test_the_gpu_check_tools_import_without_a_circle():
@@ -197,3 +202,56 @@ def test_every_config_the_check_trains_loads_at_its_size(estimates, mode):
     configs = gpu_check_train.resume_configs(lambda extra: gpu_check_train.resume_config(mode, "/nonexistent", extra),
                                              n)
     assert sorted(configs) == [n // 2, n] and all(c.model.n_layers == 4 for c in configs.values())
+
+
+def test_mod_speed_links_each_sublayers_backward_and_times_micro_steps(estimates):
+    """Issue 59's mod_speed section, its parts on a toy model: the profiler regions of the eligible sublayers take
+    their forward and, by sequence number, their backward; the op-name cross-check leaves out the LM head's
+    matmuls (the vocabulary in the weight); each micro-step's forward+backward is timed by hooks alone."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+    from torch.profiler import ProfilerActivity, profile
+
+    import gpu_check_mod
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.ffn, self.head = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 96)
+
+        def sublayers(self):
+            yield self.attn
+            yield self.ffn
+
+        def forward(self, x):
+            h = x + self.attn(x)
+            h = h + self.ffn(h).relu()
+            return SimpleNamespace(loss=self.head(h).logsumexp(-1).mean())
+
+    model, x = Toy(), torch.randn(32, 16)
+    micro = gpu_check_mod.MicroSteps(model, torch.device("cpu"))
+    for _ in range(2):
+        model(x).loss.backward()
+    with torch.no_grad():
+        model(x)  # no backward: no micro-step
+    assert len(seconds := micro.take()) == 2 and all(s > 0 for s in seconds) and micro.take() == []
+    micro.close()
+    regions = gpu_check_mod.SublayerRegions(model, [True, False])  # the toy's ffn ineligible
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        model(x).loss.backward()
+    regions.close()
+    shares = gpu_check_mod.skippable_shares(prof.events(), False, d_model=16, vocab=96)
+    assert list(shares["skippable_share_by_sublayer"]) == ["Linear"]
+    assert 0 < shares["skippable_backward_share"] < shares["skippable_share"] < 1
+    assert gpu_check_mod._lm_head_matmul([[32, 16], [16, 96]], 16, 96)  # forward, grad input, grad weight
+    assert gpu_check_mod._lm_head_matmul([[32, 96], [96, 16]], 16, 96)
+    assert gpu_check_mod._lm_head_matmul([[96, 32], [32, 16]], 16, 96)
+    assert not gpu_check_mod._lm_head_matmul([[96, 16], [16, 32]], 16, 96)  # 96 tokens through a 16 -> 32 layer
+    result = {"rates": {"0": {"step_s": 1.0}, "0.2": {"step_s": 0.9, "skip_rate_work": 0.15}},
+              "skippable_share": 0.5}
+    assert gpu_check_mod.issue59(result) == {"saved_0_2": pytest.approx(0.1), "target_0_2": pytest.approx(0.09),
+                                             "meets_0_9": True, "target_0_2_realised": pytest.approx(0.0675)}
+    assert "saved at 0.2 0.1 vs 0.9*0.2*share 0.09" in gpu_check_mod.summary_line({**result,
+                                                                                   **gpu_check_mod.issue59(result)})

@@ -23,8 +23,9 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SECTIONS = ("env", "data", "train_nag", "train_baseline", "train_nag_mod20", "mod_block", "resume", "tests", "dcp")
-TRAIN = ("train_nag", "train_baseline", "train_nag_mod20", "resume")  # the Trainer, with the eager fallback
+SECTIONS = ("env", "data", "train_nag", "train_baseline", "train_nag_mod20", "mod_speed", "resume", "tests", "dcp")
+# the Trainer, with the eager fallback
+TRAIN = ("train_nag", "train_baseline", "train_nag_mod20", "mod_speed", "resume")
 HOST_ONLY = ("env", "data", "dcp")  # sections that finish with no CUDA work of their own
 REACHED = "CudaWorkReached"
 # what torch's C++ says where CUDA work bypasses the Python lazy init (pinned memory): GPU work too
