@@ -98,8 +98,9 @@ def expected_tensors(model_cfg) -> dict:
 
 def check_weights_header(weights: str, model_cfg) -> dict:
     """The header of `weights` against the config's model, before a byte of data is mapped: the total size
-    first (no model is built for a file that cannot be its weights), then names, shapes and dtypes. Returns the
-    expected {key: meta tensor}."""
+    first, then names, shapes and dtypes. Every refusal names the tensors at fault (`_mismatch`: missing,
+    unexpected, mis-shaped), also when the sizes already disagree, unless the config's depth makes laying the model
+    out on the meta device costly (NAMED_DEPTH). Returns the expected {key: meta tensor}."""
     from nagmoe.config.flops import param_counts
     from nagmoe.hf.export import PREFIX
     from nagmoe.hf.safetensors_header import read_header, total_elements
@@ -110,25 +111,48 @@ def check_weights_header(weights: str, model_cfg) -> dict:
     if outside:
         raise UserError(f"{where}: tensor {shown(outside[0])} is outside the {PREFIX!r} prefix")
     params, held = param_counts(model_cfg)["total"], total_elements(entries)
-    if params > held:  # the header's values include buffers: parameters alone must fit in them
-        raise UserError(f"{where}: holds {held:,} values, the config's model has {params:,} parameters (config.json "
-                        "and the weights do not belong together)")
-    expected = expected_tensors(model_cfg)
     state = {k[len(PREFIX):]: e for k, e in entries.items()}
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or extra:
-        raise UserError(f"{where}: does not match the config's model ({len(missing)} missing, e.g. "
-                        f"{shown(missing[:2])}; {len(extra)} unexpected, e.g. {shown(extra[:2])})")
+    if params > held:  # the header's values include buffers: parameters alone must fit in them
+        # name the tensors when the config's model is cheap to lay out on the meta device (a hostile depth is not)
+        described = _mismatch(expected_tensors(model_cfg), state) if model_cfg.n_layers <= NAMED_DEPTH else None
+        raise UserError(f"{where}: holds {held:,} values, the config's model has {params:,} parameters (config.json "
+                        f"and the weights do not belong together{': ' + described if described else ''})")
+    expected = expected_tensors(model_cfg)
+    described = _mismatch(expected, state)
+    if described:
+        raise UserError(f"{where}: does not match the config's model ({described})")
     for key, e in state.items():
         want = expected[key]
-        if e.shape != tuple(want.shape):
-            raise UserError(f"{where}: {shown(PREFIX + key)} has shape {shown(e.shape, 80)}, the config's model "
-                            f"{tuple(want.shape)}")
         allowed = {_DTYPE_NAMES[want.dtype]} | (_FLOAT_WEIGHTS if want.dtype.is_floating_point else set())
         if e.dtype not in allowed:
             raise UserError(f"{where}: {shown(PREFIX + key)} has dtype {e.dtype}; the model holds it as "
                             f"{', '.join(sorted(allowed))}")
     return expected
+
+
+NAMED_DEPTH = 256  # up to this depth a mismatch is named even when the sizes already disagree (a meta build < 1 s)
+NAMED = 3  # tensors named per kind of mismatch, then a count
+
+
+def _names(keys: list, detail=lambda key: "") -> str:
+    from nagmoe.hf.export import PREFIX
+
+    named = ", ".join(shown(PREFIX + key, 100) + detail(key) for key in keys[:NAMED])
+    return named + (f" and {len(keys) - NAMED} more" if len(keys) > NAMED else "")
+
+
+def _mismatch(expected: dict, state: dict):
+    """What separates the header's tensors from the model's, bounded (the first few by name, then a count):
+    "1 missing: 'model.wte.weight'; 2 unexpected: ...; 1 mis-shaped: 'model.x' has shape (3, 4), the config's
+    model (4, 4)",
+    or None when names and shapes agree."""
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    reshaped = sorted(k for k in set(state) & set(expected) if tuple(state[k].shape) != tuple(expected[k].shape))
+    parts = [f"{len(missing)} missing: {_names(missing)}" if missing else "",
+             f"{len(extra)} unexpected: {_names(extra)}" if extra else "",
+             f"{len(reshaped)} mis-shaped: " + _names(reshaped, lambda k: f" has shape {shown(state[k].shape, 60)}, "
+                                                  f"the config's model {tuple(expected[k].shape)}") if reshaped else ""]
+    return "; ".join(p for p in parts if p) or None
 
 
 def model_bytes(expected: dict) -> int:

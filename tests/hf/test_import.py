@@ -81,6 +81,22 @@ def _drop_tensor(d):
     save_file(t, str(d / "model.safetensors"))
 
 
+def _drop(*names):
+    def edit(d):
+        t = load_file(str(d / "model.safetensors"))
+        for name in list(t):
+            if any(name.startswith(prefix) for prefix in names):
+                t.pop(name)
+        save_file(t, str(d / "model.safetensors"))
+    return edit
+
+
+def _add_tensor(d):
+    t = load_file(str(d / "model.safetensors"))
+    t["model.extra.weight"] = torch.zeros(3)
+    save_file(t, str(d / "model.safetensors"))
+
+
 def _reshape_tensor(d):
     t = load_file(str(d / "model.safetensors"))
     t["model.wte.weight"] = t["model.wte.weight"][:-1].contiguous()
@@ -95,8 +111,12 @@ def _reshape_tensor(d):
     (lambda d: (d / "config.json").write_text("[" * 100000), "nested too deeply"),
     (lambda d: (d / "tokenizer.json").write_text("{nope"), "tokenizer"),
     (lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 64), "safetensors"),
-    (_drop_tensor, "1 missing"),
-    (_reshape_tensor, "shape"),
+    (_drop_tensor, "1 missing: 'model.stream.g_encode'"),
+    # the largest tensor: the sizes disagree first, and the line still names it (issue 61)
+    (_drop("model.wte.weight"), "1 missing: 'model.wte.weight'"),
+    (_drop("model.blocks."), " more"),  # every block's tensors: the first few by name, then a count
+    (_add_tensor, "1 unexpected: 'model.extra.weight'"),
+    (_reshape_tensor, "1 mis-shaped: 'model.wte.weight' has shape"),
 ])
 def test_a_broken_export_is_one_line_and_writes_nothing(exported_run, tmp_path, capsys, edit, needle):
     _, out = exported_run

@@ -106,7 +106,7 @@ def _consistent_but_too_big(d):
 CASES = {  # name: (edit, what the one line must say)
     "huge_tensor": (_huge_tensor, "'model.wte.weight' has shape (512, 2097152), the config's model (512, 32)"),
     "too_big_config": (_config(lambda c: c["nagmoe_model"].update(d_model=65536)),
-                       "parameters (config.json and the weights do not belong together)"),
+                       "parameters (config.json and the weights do not belong together: "),
     "huge_tokenizer": (_huge_tokenizer, "3,221,225,472 bytes is too large for a tokenizer.json"),
     "consistent_but_too_big": (_consistent_but_too_big, "GiB of memory, this process has"),
 }
