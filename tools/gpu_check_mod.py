@@ -358,7 +358,7 @@ def measure(ctx, cfg, run_dir: str, device) -> dict:
         for rate in RATES:
             r = out["rates"][rate_key(rate)]
             left = ctx.seconds_left()
-            if left is not None and left < 1.25 * last + 3:  # the parse grows with the step: room for one more
+            if left is not None and left < 1.2 * last + 2:  # room for one more like the last, and the exit
                 r["profile"] = None
                 r["profile_skipped"] = f"{left:.0f} s left of the limit, the last profile took {last:.0f} s"
                 continue

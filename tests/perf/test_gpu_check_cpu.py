@@ -75,7 +75,8 @@ def check_mod_speed(r, out):
         # gather: one host read per MoD sublayer and micro-step, the calibrator's and the metrics' read per step
         assert rate["syncs_per_step"] == 2 * 4 + 2 and rate["sync_sites"], (key, rate)
         assert rate["sync_error"] is None and rate["peak_bytes"] is None  # CUDA-only readings
-        assert (out / rate["profile"]).is_file() and rate["profile"] == f"mod_speed_profile_{key}.txt"
+        assert rate["profile"] == f"mod_speed_profile_{key}.txt", (key, rate.get("profile_skipped"))  # in time
+        assert (out / rate["profile"]).is_file()
         assert "Self CPU time total" in (out / rate["profile"]).read_text()
     executed = [r["rates"][k]["executed_fraction"] for k in RATES]
     assert executed[0] == 1.0 and executed[2] < executed[1] < 1.0, executed  # the dial skips more at 0.5
