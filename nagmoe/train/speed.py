@@ -75,7 +75,12 @@ def _routed_forward(module: torch.nn.Module, compiled, eager, x, *args, **kwargs
     `rows=`) to the MoD unit (`_compiled_mod_forward`); gather MoD's `select=ExecutedTokens` and decoding's
     `cache=` run eagerly (module docstring)."""
     from nagmoe.model.mod import Selection
+    from nagmoe.ops.nag_fused import dispatch_mode_active
 
+    if not torch.compiler.is_compiling() and dispatch_mode_active():
+        # an instrument's dispatch mode (SyncCounter, KernelContracts): dynamo would skip the frame, and a
+        # fullgraph unit then fails ("found no compiled frames"); the instrument sees the same function eagerly
+        return eager(x, *args, **kwargs)
     given = {k: v for k, v in kwargs.items() if v is not None}
     if not args and not given:
         return compiled(module, x)

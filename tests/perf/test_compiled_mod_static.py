@@ -4,6 +4,7 @@ across the skip start, a row with no executed token and one with all, and thresh
 import torch
 
 from nagmoe.train.speed import compile_model
+from nagmoe.train.sync_count import SyncCounter
 from mod_models import B, T, batch, r40_small, step, with_edge_rows
 
 
@@ -32,3 +33,6 @@ def test_static_mod_compiles_once_across_the_skip_start():
     executed = cal.last_step["executed"]
     assert max(executed) < 1.0  # the last step skipped
     assert per_step[0] > 0 and per_step == [per_step[0]] * len(per_step), per_step
+    with SyncCounter() as counter:  # an instrument's dispatch mode: the units run eagerly, no fullgraph error
+        step(model, *batch(20))
+    assert counter.total == 0, counter.counts
