@@ -121,12 +121,18 @@ def verify_checkpoint(path: str) -> dict:
         file_path = os.path.join(path, rel)
         if os.path.isabs(rel) or ".." in rel.split("/") or not os.path.isfile(file_path):
             raise UserError(f"checkpoint file {file_path} is missing")
-        size = os.path.getsize(file_path)
+        try:
+            size = os.path.getsize(file_path)
+        except FileNotFoundError:  # gone since the check above (another writer renamed the directory)
+            raise UserError(f"checkpoint file {file_path} is missing") from None
         if size != entry["bytes"]:
             raise UserError(f"checkpoint file {file_path} has {size} bytes, manifest says {entry['bytes']} "
                             "(truncated or overwritten)")
     rels = sorted(files)
-    digests = parallel_map(lambda rel: sha256_and_sync(os.path.join(path, rel)), rels)
+    try:
+        digests = parallel_map(lambda rel: sha256_and_sync(os.path.join(path, rel)), rels)
+    except FileNotFoundError as e:  # a file, or the directory, renamed away while it was hashed
+        raise UserError(f"checkpoint file {e.filename} is missing") from None
     for rel, digest in zip(rels, digests):
         if digest != files[rel]["sha256"]:
             raise UserError(f"checkpoint file {os.path.join(path, rel)} fails its sha256 check (corrupted)")

@@ -11,14 +11,16 @@ that looks like a checkpoint). Rank 0 alone runs this; the engines call it betwe
 """
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
 
 from nagmoe.checkpoint.files import (CHECKPOINTS, MANIFEST, STATE, checkpoint_name, describe_files,
                                      is_valid_checkpoint, list_checkpoints, read_checkpoint_state, write_json)
-from nagmoe.base.errors import UserError
+from nagmoe.base.errors import UserError, shown
 from nagmoe.base.files import fsync_dir, make_temp_dir
+from nagmoe.rundir.lease import other_holder, taken_over_message
 
 TMP_MARK = ".tmp-"  # step_N.tmp-<tag>: files.TMP_DIR
 
@@ -51,10 +53,27 @@ def remove_dir(path: str, tag: str) -> None:
     """Rename out of the step_* namespace first, so a crash mid-delete never leaves a look-alike checkpoint."""
     doomed = f"{path}.del-{tag}"
     os.rename(path, doomed)
+    _discard(doomed)
+
+
+def _discard(doomed: str) -> None:
     if os.path.islink(doomed):  # a link someone planted at step_N: removed, never followed
         os.unlink(doomed)
     else:
         shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_replaced(final: str, tmp: str, tag: str) -> None:
+    """Remove the invalid step_N `final` that the complete `tmp` is about to be renamed to (`remove_dir`), unless
+    `tmp` is gone once `final` is out of the way and nothing took its place: then another writer had just renamed
+    `tmp` to `final` (the take-over race: a publish and a resume's recovery of the same save), what was moved
+    aside is that valid checkpoint, and it goes back. FileNotFoundError then."""
+    doomed = f"{final}.del-{tag}"
+    os.rename(final, doomed)
+    if not os.path.lexists(tmp) and not os.path.lexists(final):
+        os.rename(doomed, final)
+        raise FileNotFoundError(errno.ENOENT, "renamed by another writer meanwhile", tmp)
+    _discard(doomed)
 
 
 def is_milestone(path: str) -> bool:
@@ -86,18 +105,38 @@ def prune(root: str, run_dir: str, new_step: int, keep: int, tag: str) -> None:
     remove_leftovers(root)
 
 
+def _raise_if_moved(tmp: str, final: str, run_dir: str) -> None:
+    """After an OSError between the fence and the rename: another writer moved this save's directory (or the
+    invalid step_N it replaces) under us. That is the new lease holder when there is one (the take-over race,
+    docs/decisions.md: its resume publishes a complete tmp dir itself), and the trainer stops with the fence's
+    own line naming it; else a UserError saying so. Returns when `tmp` is still there and no one else holds the
+    lease (an ordinary I/O failure: the caller re-raises it)."""
+    holder = other_holder(run_dir)
+    if holder is not None:
+        raise UserError(taken_over_message(run_dir, holder)) from None
+    if not os.path.isdir(tmp):
+        raise UserError(f"checkpoint {shown(final)}: this save's directory {shown(tmp)} was moved by another process "
+                        f"before it was published; this save published nothing (one writer per run dir)") from None
+
+
 def publish(tmp: str, final: str, run_dir: str, state: dict, keep: int, tag: str) -> None:
-    """Write state.json and the manifest into the complete `tmp`, rename it to `final`, prune to `keep`."""
+    """Write state.json and the manifest into the complete `tmp`, rename it to `final`, prune to `keep`. When
+    another writer moves `tmp` (or step_N) away meanwhile, a UserError: the fence's, naming the run dir's new
+    holder, or one saying the directory was moved (`_raise_if_moved`)."""
     root = os.path.dirname(final)
-    write_json(os.path.join(tmp, STATE), state)
-    files = describe_files(tmp)
-    write_json(os.path.join(tmp, MANIFEST), {"format": state["format"], "step": state["step"], "files": files})
-    fsync_dir(tmp)
-    if os.path.lexists(final):  # also a dangling link planted there (exists() would say no, and rename fail)
-        # a step_N that does not verify (a valid one is never re-saved: the engines skip the save). A kill
-        # between these two renames leaves our complete tmp dir, which the next resume publishes
-        # (nagmoe.checkpoint.resume.recover_unfinished).
-        remove_dir(final, tag)
-    os.rename(tmp, final)
+    try:
+        write_json(os.path.join(tmp, STATE), state)
+        files = describe_files(tmp)
+        write_json(os.path.join(tmp, MANIFEST), {"format": state["format"], "step": state["step"], "files": files})
+        fsync_dir(tmp)
+        if os.path.lexists(final):  # also a dangling link planted there (exists() would say no, and rename fail)
+            # a step_N that does not verify (a valid one is never re-saved: the engines skip the save). A kill
+            # between these two renames leaves our complete tmp dir, which the next resume publishes
+            # (nagmoe.checkpoint.resume.recover_unfinished).
+            remove_replaced(final, tmp, tag)
+        os.rename(tmp, final)
+    except OSError:
+        _raise_if_moved(tmp, final, run_dir)
+        raise
     fsync_dir(root)
     prune(root, run_dir, state["step"], keep, tag)

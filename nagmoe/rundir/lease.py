@@ -98,6 +98,24 @@ def describe(holder: dict) -> str:
     return f"{shown(holder.get('host'), 80)} pid {shown(holder.get('pid'), 20)}{job}"
 
 
+def taken_over_message(run_dir: str, holder: dict) -> str:
+    """The one line a trainer stops with once `holder` took its run dir over: the fence's (`confirm`), and a
+    publish's whose save directory the new holder moved (nagmoe.checkpoint.publish)."""
+    return (f"{shown(run_dir)}: the run dir was taken over by {describe(holder)}; this trainer stops without "
+            "writing anything more (one trainer per run dir)")
+
+
+def other_holder(run_dir: str) -> Optional[dict]:
+    """The lease of `run_dir` when another process holds it, else None (no lease, a file that is not a lease, or
+    this process's own: the trainer's lease is held by the process that publishes its saves, rank 0)."""
+    holder = read_lease(run_dir)
+    if holder is None or "invalid" in holder:
+        return None
+    if holder["host"] == socket.gethostname() and holder["pid"] == os.getpid():
+        return None
+    return holder
+
+
 def lease_age(holder: dict, stale_s: float, now: Optional[float] = None) -> float:
     """Seconds since the holder last refreshed: a time in the future within `stale_s` is clamped to now (clock
     skew between nodes); one further ahead is a wrong clock, and the lease counts as stale (inf)."""
@@ -182,8 +200,7 @@ class RunDirLease:
         holder = self._taken_by()
         if holder is not None:
             self._stop.set()
-            raise UserError(f"{shown(self.run_dir)}: the run dir was taken over by {describe(holder)}; this "
-                            "trainer stops without writing anything more (one trainer per run dir)")
+            raise UserError(taken_over_message(self.run_dir, holder))
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.refresh_s):

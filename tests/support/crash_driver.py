@@ -46,7 +46,8 @@ def install(point: str, step: int, ready_file: str, run_dir: str) -> None:
         return bool(glob.glob(os.path.join(run_dir, CHECKPOINTS, name + ".tmp-*")))
 
     real_rng = torch_layout.capture_rng_state
-    real_fsync_dir, real_remove_dir, real_prune, real_shutil = pub.fsync_dir, pub.remove_dir, pub.prune, pub.shutil
+    real_fsync_dir, real_remove_replaced, real_prune, real_shutil = (pub.fsync_dir, pub.remove_replaced, pub.prune,
+                                                                     pub.shutil)
 
     def capture_rng_state():  # both engines capture the RNG right after their tensor files are written
         if point == "tensors_written" and saving_target():
@@ -58,9 +59,9 @@ def install(point: str, step: int, ready_file: str, run_dir: str) -> None:
         if point == "before_publish" and os.path.basename(path).startswith(name + ".tmp-"):
             _freeze(ready_file)
 
-    def remove_dir(path, tag):
-        real_remove_dir(path, tag)
-        if point == "mid_replace" and os.path.basename(path) == name and saving_target():
+    def remove_replaced(final, tmp, tag):  # the publish's removal of the invalid step_N it replaces
+        real_remove_replaced(final, tmp, tag)
+        if point == "mid_replace" and os.path.basename(final) == name and saving_target():
             _freeze(ready_file)
 
     pruning = {"target": False}  # inside the prune that ends the save of checkpoint `step`
@@ -85,7 +86,7 @@ def install(point: str, step: int, ready_file: str, run_dir: str) -> None:
             return real_shutil.rmtree(path, *args, **kwargs)
 
     torch_layout.capture_rng_state = deepspeed_engine.capture_rng_state = capture_rng_state
-    pub.fsync_dir, pub.remove_dir, pub.prune, pub.shutil = fsync_dir, remove_dir, prune, Shutil()
+    pub.fsync_dir, pub.remove_replaced, pub.prune, pub.shutil = fsync_dir, remove_replaced, prune, Shutil()
 
 
 def main(argv: list[str]) -> int:
