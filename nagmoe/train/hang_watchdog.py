@@ -14,7 +14,9 @@ progress (a completed step, or the start of a long phase) and fires when it exce
                  inside Slurm's default KillWait (30 s). The signal is seen through `signal.set_wakeup_fd` (the
                  C-level handler writes the signal number there even while the main thread is blocked).
 
-Firing writes one line naming the rank, host and last completed step, dumps every thread's Python stack to
+Firing writes one line naming the rank, host and last completed step, and (distributed) the ranks that fell
+silent or behind with their hosts and steps, read from the rendezvous store (nagmoe.parallel.progress_board: each
+rank's heartbeat thread publishes its last finished step there; issue 61), dumps every thread's Python stack to
 stderr (the rank's log; `faulthandler`), and ends the process with EXIT_HUNG through `os._exit` (the main
 thread cannot be interrupted), so the launcher sees a failed step and can restart from the last checkpoint.
 The step path costs a few attribute writes and a median of at most 50 numbers (`step_done`): no lock, no host
@@ -22,7 +24,8 @@ sync, nothing collective.
 
 The collectives' own timeout follows the same allowances (nagmoe.parallel.collective_timeouts): long for the
 first step and inside a phase, NAGMOE_DIST_TRAIN_TIMEOUT_S (100 s) after a step; a gloo collective past it raises,
-and `timed_out` makes that one line naming rank, host and step, then the stack (exit status 1, as before).
+and `timed_out` makes that one line naming rank, host and step and the ranks behind, then the stack (exit status 1,
+as before).
 """
 from __future__ import annotations
 
@@ -61,8 +64,9 @@ class ProgressWatchdog:
 
     def __init__(self, rank: int, timeout_s: Optional[float] = None, long_phase_s: float = LONG_PHASE_S,
                  term_grace_s: float = TERM_GRACE_S, first_step: int = 0,
-                 exit_fn: Callable[[int], None] = os._exit, stream=None, collectives=None):
+                 exit_fn: Callable[[int], None] = os._exit, stream=None, collectives=None, board=None):
         self.rank, self.host = rank, socket.gethostname()
+        self.board = board  # nagmoe.parallel.progress_board.ProgressBoard (distributed), or None
         self.collectives = collectives if collectives is not None else NoCollectives()  # the same allowances
         self.fixed_limit = timeout_s if timeout_s and timeout_s > 0 else None
         self.long_phase_s, self.term_grace_s = long_phase_s, term_grace_s
@@ -94,6 +98,8 @@ class ProgressWatchdog:
         from the median of the recent steps, set only when it changes: no communication)."""
         self._step_times.append(seconds)
         self.last_step, self.phase_name, self.last_progress = step, None, time.monotonic()
+        if self.board is not None:
+            self.board.step_done(step)  # an attribute write: the board's own thread publishes it
         self.collectives.after_step(self._step_times)
 
     @contextmanager
@@ -110,9 +116,11 @@ class ProgressWatchdog:
     def timed_out(self, exc: BaseException) -> Optional[TrainingHalted]:
         """A collective past its timeout (gloo raises): the one line, the stack where it waited, and exit
         status 1, as a `TrainingHalted` to raise; None for any other error."""
-        return collective_timeout_halt(exc, self.rank, self.host, self.last_step, self.stream)
+        return collective_timeout_halt(exc, self.rank, self.host, self.last_step, self.stream, self.board)
 
     def stop(self) -> None:
+        if self.board is not None:
+            self.board.stop()
         self.collectives.restore()
         self._stop.set()
         if self._thread is not None:
@@ -173,9 +181,10 @@ class ProgressWatchdog:
     def _fire(self, reason: str) -> None:
         self.fired = reason
         stream = self.stream or sys.stderr
+        behind = _culprits(self.board, self.last_step)
         try:
-            print(f"[nagmoe] rank {self.rank} on {self.host}: hung after step {self.last_step}: {reason}; every "
-                  f"thread's stack follows; exiting with code {EXIT_HUNG} so the job can restart from the last "
+            print(f"[nagmoe] rank {self.rank} on {self.host}: hung after step {self.last_step}: {reason}{behind}; "
+                  f"every thread's stack follows; exiting with code {EXIT_HUNG} so the job can restart from the last "
                   "checkpoint", file=stream, flush=True)
             faulthandler.dump_traceback(file=stream, all_threads=True)
             stream.flush()
@@ -184,8 +193,18 @@ class ProgressWatchdog:
         self.exit_fn(EXIT_HUNG)
 
 
+def _culprits(board, step: int) -> str:
+    """"; <who is silent or behind>" from the progress board (bounded in time), or "" without one."""
+    if board is None:
+        return ""
+    try:
+        return "; " + board.culprits(step)
+    except Exception as e:  # noqa: BLE001 - the line must be written whatever the board does
+        return f"; the progress board could not be read ({type(e).__name__})"
+
+
 def collective_timeout_halt(exc: BaseException, rank: int, host: str, step: int,
-                            stream=None) -> Optional[TrainingHalted]:
+                            stream=None, board=None) -> Optional[TrainingHalted]:
     """See `ProgressWatchdog.timed_out`."""
     if not is_collective_timeout(exc):
         return None
@@ -193,8 +212,8 @@ def collective_timeout_halt(exc: BaseException, rank: int, host: str, step: int,
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[path/to/source.cc:129] " prefix
     message = (f"rank {rank} on {host}: a collective timed out after step {step} ({shown(first, 160)}): a peer "
-               f"is gone, partitioned or stuck; exiting with status {EXIT_COLLECTIVE_TIMEOUT} so the job can restart "
-               "from the last checkpoint")
+               f"is gone, partitioned or stuck{_culprits(board, step)}; exiting with status {EXIT_COLLECTIVE_TIMEOUT} "
+               "so the job can restart from the last checkpoint")
     try:
         print(f"[nagmoe] {message}; the stack where it waited follows", file=stream, flush=True)
         frames = traceback.extract_tb(exc.__traceback__)[-12:]  # the innermost: where the collective was called
@@ -205,12 +224,13 @@ def collective_timeout_halt(exc: BaseException, rank: int, host: str, step: int,
     return TrainingHalted(message, EXIT_COLLECTIVE_TIMEOUT)
 
 
-def start_watchdog(rank: int, timeout_s: Optional[float], step: int, environ=None):
+def start_watchdog(rank: int, timeout_s: Optional[float], step: int, environ=None, board=None):
     """The trainer's watchdog for `train.hang_timeout_s` (0: off, not started), its allowances from NAGMOE_HANG_LONG_PHASE_S
     and NAGMOE_HANG_TERM_GRACE_S (nagmoe.base.environment), started, with the collectives' timeouts
-    (nagmoe.parallel.collective_timeouts) following the same first step and long phases."""
+    (nagmoe.parallel.collective_timeouts) following the same first step and long phases. `board`: the run's
+    progress board (started; the watchdog's stop stops it), named in the failure lines."""
     long_phase_s, term_grace_s = hang_allowances(environ)
     watchdog = ProgressWatchdog(rank, timeout_s, long_phase_s, term_grace_s, first_step=step,
-                                collectives=collective_timeouts(environ))
+                                collectives=collective_timeouts(environ), board=board)
     # off (0): the same object never started — nothing watched, the collectives' timeouts still follow the steps
     return watchdog if timeout_s is not None and timeout_s == 0 else watchdog.start()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import sys
 import time
 from contextlib import nullcontext
@@ -55,6 +56,7 @@ from nagmoe.train.guards import (
     EXIT_GATE_COLLAPSE, EXIT_NONFINITE, TrainingHalted, collapsed_fraction, gate_collapse_message, is_nonfinite,
     fail_at_step_for_a_test, locate_nonfinite, nonfinite_message, realised_gains)
 from nagmoe.train.preemption import PreemptionWatch
+from nagmoe.parallel.progress_board import default_board
 from nagmoe.train.hang_watchdog import start_watchdog
 from nagmoe.train.precision_context import TrainingPrecision, reusable_autocast
 from nagmoe.rundir.info import update_run_info, write_summary
@@ -517,7 +519,10 @@ class Trainer:
         started = time.perf_counter()
         wall0 = self.progress.wall_s
         preemption = PreemptionWatch(self.run_dir, self.rank).install()  # SIGUSR1/SIGTERM or a request file
-        watchdog = start_watchdog(self.rank, t.hang_timeout_s, self.progress.step)  # a hang ends in bounded time
+        # every rank's last step and heartbeat in the rendezvous store: a failure line names who fell silent
+        board = default_board(self.rank, self.world_size, socket.gethostname())
+        watchdog = start_watchdog(self.rank, t.hang_timeout_s, self.progress.step,  # a hang ends in bounded time
+                                  board=board.start(self.progress.step) if board is not None else None)
         try:
             while not self.should_stop():
                 if preemption.requested():  # all ranks agree; checkpoint, marker, raise Preempted (exit 75)

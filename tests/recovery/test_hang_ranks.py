@@ -36,6 +36,8 @@ def test_a_rank_blocked_on_a_silent_peer_exits_76_naming_itself_and_the_run_resu
     assert code == EXIT_HUNG, log[-3000:]
     lines = [line for line in log.splitlines() if line.startswith("[nagmoe] rank 0 on ")]
     assert len(lines) == 1 and f"hung after step {step}" in lines[0] and "no progress for" in lines[0], lines
+    print(f"[line] {lines[0]}")
+    assert "; rank 1 on " in lines[0] and " silent since step " in lines[0], lines  # the culprit (issue 61)
     assert "Current thread" in log and "File " in log  # the stacks: where the main thread was blocked
     assert "Traceback" not in log
     assert HANG_S <= waited < HANG_S + 30, waited  # bounded: the limit plus the check interval and the exit
@@ -90,5 +92,7 @@ def test_with_the_watchdog_off_a_silent_peer_ends_the_rank_at_the_collectives_tr
     assert code == 1, log[-3000:]
     lines = [line for line in log.splitlines() if line.startswith("[nagmoe] rank 0 on ")]
     assert len(lines) == 1 and "a collective timed out after step" in lines[0], lines
+    print(f"[line] {lines[0]}")
+    assert "; rank 1 on " in lines[0] and " silent since step " in lines[0], lines  # the culprit (issue 61)
     assert "Traceback" not in log and "File " in log  # the stack where it waited, not an error's traceback
     assert 3 <= waited < 3 + 40, waited  # the training timeout, plus a step in flight and the exit

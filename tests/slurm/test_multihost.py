@@ -206,8 +206,56 @@ def test_a_partitioned_host_ends_in_bounded_time_and_the_job_resumes_after_the_l
     finally:
         hosts.partition("n2", down=False)
     assert "no progress for" in line and stopped_in < 180, (line, stopped_in)
+    print(f"[line] {line}")
+    assert "; rank 1 on n2 silent since step " in line, line  # the culprit by rank and host (issue 61)
     assert "Current thread" in open(log).read()  # the stacks of the blocked rank
     info, text = wait_done(hosts, job, run, timeout=300)
     assert int(info["Restarts"]) >= 1 and "requeueing job" in text, text[-3000:]
     assert [r["step"] for r in records(run)] == list(range(1, steps + 1))
     print(f"[figure] partition -> rank 0 stopped: {stopped_in:.1f} s")
+
+
+def _rank_pid(run: str, rank: int) -> int:
+    """The pid of the training process of `rank` of the job writing `run` (the hosts share this pid namespace)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode() and b"nagmoe" in cmd and b" train" in cmd.replace(b"\0", b" ") \
+                and run.encode() in cmd:
+            return int(pid)
+    return 0
+
+
+def test_a_stopped_rank_is_named_by_rank_and_host(hosts, micro_yaml, tmp_path):
+    """Issue 61: rank 1 on n2 SIGSTOPped mid-run (alive, sockets open, silent). Rank 0's watchdog line names it:
+    "rank 1 on n2 silent since step N", read from the heartbeats in the rendezvous store."""
+    import signal
+
+    run = str(tmp_path / "run")
+    config = micro_yaml("parallel.ep=2", "train.max_steps=400", "train.schedule_steps=400",
+                        "train.checkpoint_every=0", "train.hang_timeout_s=8")
+    job = submit(hosts, config, run, 2, 1)
+    log = os.path.join(run, "slurm", f"slurm-{job}.out")
+    wait_until(lambda: os.path.isfile(os.path.join(run, "metrics.jsonl")) and len(records(run)) >= 10, 180,
+               "10 logged steps")
+    pid = wait_until(lambda: _rank_pid(run, 1), 30, "rank 1's process")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        line = wait_until(lambda: next((x for x in open(log).read().splitlines()
+                                        if x.startswith("[nagmoe] rank 0 on n1: hung after step")), None), 120,
+                          "rank 0's hung line")
+    finally:
+        hosts.client("scancel", job, check=False)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    wait_until(lambda: hosts.job(job).get("JobState") in FINAL_STATES, 120, f"job {job} to end")
+    print(f"[line] {line}")
+    assert "; rank 1 on n2 silent since step " in line and "this rank (0 on n1) last finished step" in line, line
+
