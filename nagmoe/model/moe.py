@@ -21,6 +21,9 @@ Pipeline of one forward call:
               f = 0: no NAG update, under MoD the base update only). This bounds what an expert-parallel rank
               receives from each source to C rows per local expert.
   3. experts  y_SD = relu(x_SD @ w_in[e])² @ w_out[e], by the backend from `nagmoe.ops.grouped_experts`.
+              Static MoD (`select=`, model.mod.impl=static): every token is routed, the skipped ones' slots sort
+              last (and dropped ones after them), the experts run the leading executed slots only and the tail is
+              masked with torch.where; losses and statistics count the executed tokens (`_slots_live`).
   4. combine  unpermute the slots back to (N, K, D) and sum with the gate weights,
               y_ND = Σ_k gate_NK · y_NKD. A permutation + sum over K instead of index_add: no colliding
               scatter, so CUDA runs are deterministic too.

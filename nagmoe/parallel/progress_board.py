@@ -121,8 +121,12 @@ class ProgressBoard:
             self._stop.wait(MIN_GAP_S)
 
     def stop(self) -> None:
+        """No write after this returns (a write in flight is waited for, briefly): a job's end, where the store's
+        host may go first, sees no failed write."""
         self._stop.set()
         self._stepped.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=READ_TIMEOUT_S)
 
     # ---------------------------------------------------------------------------------------- the reader
     def read(self) -> tuple[Optional[dict], Optional[str]]:
