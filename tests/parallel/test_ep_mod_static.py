@@ -62,5 +62,6 @@ def test_static_mod_over_expert_parallelism_equals_gather():
     results = run_on_ranks(static_vs_gather, 2)
     for rank, (err, same_params, (rows_gather, rows_static), executed) in enumerate(results):
         assert same_params and err <= TOL, (rank, err)
-        assert rows_static is not None and rows_static == rows_gather, (rank, rows_gather, rows_static)  # executed slots only
+        # only the executed slots travel: the same rows as the gathered tokens'
+        assert rows_static is not None and rows_static == rows_gather, (rank, rows_gather, rows_static)
     assert results[1][3] == 0 and results[0][3] > 0
