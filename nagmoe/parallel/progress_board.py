@@ -2,14 +2,14 @@
 store every rank already holds (issue 61). When the progress watchdog or a collective's timeout ends a rank, its
 one line names the ranks that fell silent or behind and their hosts, not only the rank that waited:
 
-    ranks 2-3 on n2 silent since step 24 (no heartbeat for 4 s: stopped, hung or cut off); this rank (0 on n1)
+    ranks 2-3 on n2 silent since step 24 (no heartbeat for 3 s: stopped, hung or cut off); this rank (0 on n1)
     last finished step 25
 
 Each rank's entry `nagmoe/progress/<rank>` = "<step> <heartbeat> <host>" is written by a daemon thread (`start`)
 when the main thread finishes a step (it sets an attribute and an event; at most one write per MIN_GAP_S) and
 at least once a second: the step and a counter that advances with every write. The step's path gains nothing:
-no collective, no host sync, no store round trip on the main thread. A rank whose process is frozen (SIGSTOP), hung in C with its GIL held, or cut off from the
-store stops advancing its heartbeat; the reader (`culprits`) reads every entry twice, `SILENCE_S` apart, and
+no collective, no host sync, no store round trip on the main thread. A rank whose process is frozen (SIGSTOP),
+hung in C with its GIL held, or cut off from the store stops advancing its heartbeat; the reader (`culprits`) reads every entry twice, `SILENCE_S` apart, and
 names the ranks whose heartbeat did not move, or else the ranks whose step is behind the newest. Clocks of
 different hosts are never compared. A store that does not answer within `READ_TIMEOUT_S` (the reader is the one
 cut off, or the store's host is gone) is said so in the line. Every store call runs in a helper thread joined
