@@ -9,11 +9,12 @@ Each rank's entry `nagmoe/progress/<rank>` = "<step> <heartbeat> <host>" is writ
 when the main thread finishes a step (it sets an attribute and an event; at most one write per MIN_GAP_S) and
 at least once a second: the step and a counter that advances with every write. The step's path gains nothing:
 no collective, no host sync, no store round trip on the main thread. A rank whose process is frozen (SIGSTOP),
-hung in C with its GIL held, or cut off from the store stops advancing its heartbeat; the reader (`culprits`) reads every entry twice, `SILENCE_S` apart, and
-names the ranks whose heartbeat did not move, or else the ranks whose step is behind the newest. Clocks of
-different hosts are never compared. A store that does not answer within `READ_TIMEOUT_S` (the reader is the one
-cut off, or the store's host is gone) is said so in the line. Every store call runs in a helper thread joined
-with a timeout: a blocked store never keeps a rank that must end alive.
+hung in C with its GIL held, or cut off from the store stops advancing its heartbeat; the reader (`culprits`)
+reads every entry twice, `SILENCE_S` apart, and names the ranks whose heartbeat did not move, or else the ranks
+whose step is behind the newest. Clocks of different hosts are never compared. A store that does not answer
+within `READ_TIMEOUT_S` (the reader is the one cut off, or the store's host is gone) is said so in the line.
+Every store call of the reader runs in a helper thread joined with a timeout: a blocked store never keeps a rank
+that must end alive.
 """
 from __future__ import annotations
 
