@@ -36,7 +36,11 @@ def boards(port, hosts, steps):
     for rank, (host, step) in enumerate(zip(hosts, steps)):
         board = ProgressBoard(client(port), rank, len(hosts), host, **FAST).start(step)
         out.append(board)
-    time.sleep(0.3)  # every heartbeat thread has written
+    reader = client(port)
+    deadline = time.monotonic() + 30
+    while not all(reader.check([b.key(b.rank)]) for b in out):  # every heartbeat thread has written
+        assert time.monotonic() < deadline, "a heartbeat thread never wrote"
+        time.sleep(0.05)
     return out
 
 
@@ -55,8 +59,8 @@ def test_the_silent_ranks_are_named_with_host_and_step(store_port):
     for b in bs[2:]:
         b.stop()
     time.sleep(0.2)
-    line = bs[0].culprits(25, silence_s=0.5)
-    assert line == ("ranks 2-3 on n2 silent since step 24 (no heartbeat for 0.5 s: stopped, hung or cut off); "
+    line = bs[0].culprits(25, silence_s=2.0)
+    assert line == ("ranks 2-3 on n2 silent since step 24 (no heartbeat for 2 s: stopped, hung or cut off); "
                     "this rank (0 on n1) last finished step 25"), line
     for b in bs[:2]:
         b.stop()
@@ -64,11 +68,11 @@ def test_the_silent_ranks_are_named_with_host_and_step(store_port):
 
 def test_without_silence_the_ranks_behind_are_named(store_port):
     bs = boards(store_port, ["n1", "n2", "n3"], [25, 25, 24])
-    line = bs[0].culprits(25, silence_s=0.3)
+    line = bs[0].culprits(25, silence_s=2.0)
     assert line.startswith("rank 2 on n3 last finished step 24; this rank (0 on n1)"), line
     bs[2].step_done(25)
     time.sleep(0.3)
-    assert bs[0].culprits(25, silence_s=0.3).startswith("every rank answers and none is behind"), line
+    assert bs[0].culprits(25, silence_s=2.0).startswith("every rank answers and none is behind"), line
     for b in bs:
         b.stop()
 
@@ -76,7 +80,7 @@ def test_without_silence_the_ranks_behind_are_named(store_port):
 def test_a_rank_that_never_wrote_is_named(store_port):
     bs = boards(store_port, ["n1", "n2"], [3, 3])
     board = ProgressBoard(client(store_port), 0, 3, "n1", **FAST)  # a world of 3: rank 2 never started
-    assert "rank 2 never reported a step" in board.culprits(3, silence_s=0.3)
+    assert "rank 2 never reported a step" in board.culprits(3, silence_s=1.0)
     for b in bs:
         b.stop()
 
