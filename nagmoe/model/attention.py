@@ -47,11 +47,9 @@ from nagmoe.ops.registry import Registry
 KEY_ROUNDING = 256
 
 
-def position_sdpa_backends() -> list:
-    """The SDPA kernels the position-blocked calls may use: every one but cuDNN (torch.nn.attention.SDPBackend)."""
-    from torch.nn.attention import SDPBackend
-
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# The SDPA kernels the position-blocked calls may use: every one but cuDNN (torch.nn.attention.SDPBackend).
+POSITION_SDPA_BACKENDS = [torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+                          torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION, torch.nn.attention.SDPBackend.MATH]
 
 def _flash_available() -> bool:
     """flash-attn (optional `gpu` extra): CUDA only, and only when the package imports."""
@@ -235,7 +233,7 @@ def attention_at_positions(q_BHMS: torch.Tensor, k_BKLS: torch.Tensor, v_BKLS: t
             key_ends = (positions_BM.amax(0).cummax(0).values + 1).tolist()
         ends = [min(-(-e // KEY_ROUNDING) * KEY_ROUNDING, L) for e in key_ends]  # finitely many shapes
         outs = []
-        with torch.nn.attention.sdpa_kernel(position_sdpa_backends()):  # never cuDNN (KEY_ROUNDING)
+        with torch.nn.attention.sdpa_kernel(POSITION_SDPA_BACKENDS):  # never cuDNN (KEY_ROUNDING)
             for start in range(0, M, size):
                 stop = min(M, start + size)
                 keys = ends[stop - 1]

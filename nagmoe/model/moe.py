@@ -31,7 +31,7 @@ Pipeline of one forward call:
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +114,16 @@ def router_z_loss(logits_NE: torch.Tensor, live_N: Optional[torch.Tensor] = None
     if logits_NE.shape[0] == 0:
         return logits_NE.sum() * 0.0
     return torch.logsumexp(logits_NE, dim=-1).square().mean()
+
+
+class SlotPlan(NamedTuple):
+    """How the routing slots went to the experts (MoELayer._slots_all / _slots_live), for `_unsort`."""
+    order_S: torch.Tensor  # slot order by expert
+    counts_E: torch.Tensor  # the slots each expert runs (kept ones, executed ones)
+    keep_S: Optional[torch.Tensor]  # with a capacity: the kept slots, in sorted order
+    index_S: Optional[torch.Tensor]  # with a capacity: the kept slots' rows (their outputs go back there)
+    dropped: torch.Tensor  # slots dropped by the capacity
+    valid_S1: Optional[torch.Tensor]  # static MoD: the leading executed rows; the tail is masked
 
 
 def expert_capacity(factor: Optional[float], n_tokens: int, top_k: int, n_experts: int) -> Optional[int]:
@@ -314,7 +324,7 @@ class MoELayer(nn.Module):
             x_SD, plan = self._slots_all(x_ND, expert_NK, counts_E)
         else:
             x_SD, plan = self._slots_live(x_ND, key_S, counts_E, live_N)
-        y_NKD, kept_NK, dropped = self._unsort(self.run_experts(x_SD, plan[1]), plan)
+        y_NKD, kept_NK, dropped = self._unsort(self.run_experts(x_SD, plan.counts_E), plan)
         # 4. combine: y_ND = Σ_k gate_NK · y_NKD, in the experts' dtype, said explicitly: CUDA's autocast runs a
         # dtype-less `sum` in fp32 (CPU's does not), which made the output's dtype differ between the machines and
         # the backward an fp32 (N, K, D) temporary
@@ -351,8 +361,7 @@ class MoELayer(nn.Module):
         (stable: token order within an expert). Cast to the experts' compute dtype first (bf16 under autocast):
         the slot copy and an expert-parallel payload are then N·K rows of bf16, not fp32, both ways. One gather
         from the K-expanded view: its backward writes each (n, k) once, then sums over k (no colliding
-        index_add). With a capacity only the kept slots travel; the dropped ones get y = 0.
-        plan = (order_S, the counts the experts run, keep_S or None, index_S or None, dropped, None)."""
+        index_add). With a capacity only the kept slots travel; the dropped ones get y = 0."""
         N, D = x_ND.shape
         K = self.top_k
         order_S = torch.argsort(expert_NK.reshape(-1), stable=True)
@@ -360,13 +369,14 @@ class MoELayer(nn.Module):
         x_SD = x_NKD[order_S // K, order_S % K]
         capacity = self.capacity(N) if self.training else None
         if capacity is None:
-            return x_SD, (order_S, counts_E, None, None, counts_E.new_zeros(()), None)
+            return x_SD, SlotPlan(order_S, counts_E, None, None, counts_E.new_zeros(()), None)
         expert_S = expert_NK.reshape(-1)[order_S]
         position_S = torch.arange(N * K, device=x_SD.device) - (counts_E.cumsum(0) - counts_E)[expert_S]
         keep_S = position_S < capacity
         kept_E = counts_E.clamp(max=capacity)
         index_S = keep_S.nonzero().squeeze(1)
-        return x_SD.index_select(0, index_S), (order_S, kept_E, keep_S, index_S, counts_E.sum() - kept_E.sum(), None)
+        return x_SD.index_select(0, index_S), SlotPlan(order_S, kept_E, keep_S, index_S, counts_E.sum() - kept_E.sum(),
+                                                        None)
 
     def _slots_live(self, x_ND: torch.Tensor, key_S: torch.Tensor, counts_E: torch.Tensor,
                     live_N: torch.Tensor) -> tuple:
@@ -375,7 +385,7 @@ class MoELayer(nn.Module):
         first rows of x_SD and the grouped GEMM's offsets stop there; the tail is masked by torch.where (never
         a product: the experts leave it unwritten, uninitialised memory, and NaN·0 = NaN), on the way in too,
         so no gradient from it reaches a token. No host read but an expert-parallel dispatcher's (only the
-        executed slots travel) or the loop backend's. plan as `_slots_all`'s, with valid_S1 last."""
+        executed slots travel) or the loop backend's."""
         N, D = x_ND.shape
         K, E, S = self.top_k, self.n_experts, key_S.numel()
         kept_E, dropped = counts_E, counts_E.new_zeros(())
@@ -396,9 +406,9 @@ class MoELayer(nn.Module):
         x_SD = torch.where(valid_S1, x_NKD[order_S // K, order_S % K], zero)
         if self.dispatcher is not None:  # only the executed slots travel (the dispatcher reads its sizes anyway)
             x_SD = x_SD[:int(kept_E.sum())]
-        return x_SD, (order_S, kept_E, None, None, dropped, valid_S1)
+        return x_SD, SlotPlan(order_S, kept_E, None, None, dropped, valid_S1)
 
-    def _unsort(self, y_SD: torch.Tensor, plan: tuple) -> tuple:
+    def _unsort(self, y_SD: torch.Tensor, plan: SlotPlan) -> tuple:
         """The experts' slot outputs back in (N, K, D) token order: (y_NKD, kept_NK or None (every slot kept),
         dropped). Dropped and skipped slots are 0."""
         order_S, _, keep_S, index_S, dropped, valid_S1 = plan

@@ -144,8 +144,8 @@ def _compiled() -> tuple:
 
 class NAGOps:
     """The NAG functions of `model.nag.impl` (auto, eager, compiled): `modulator`, `update`
-    (= nag_math.nag_update), `gated_update` and `masked_update` (static MoD). Each call takes the backend resolved for its tensors' device
-    (the direction's), once per device type, logged on first use."""
+    (= nag_math.nag_update), `gated_update` and `masked_update` (static MoD). Each call takes the backend resolved
+    for its tensors' device (the direction's), once per device type, logged on first use."""
 
     def __init__(self, requested: str = "auto"):
         _check_known(requested)

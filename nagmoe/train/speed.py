@@ -44,6 +44,9 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from nagmoe.model.mod import Selection
+from nagmoe.ops.nag_fused import dispatch_mode_active
+
 COMPILE_SETTINGS = ("auto", "true", "false")
 
 
@@ -74,9 +77,6 @@ def _routed_forward(module: torch.nn.Module, compiled, eager, x, *args, **kwargs
     """The compiled unit for a plain call `sublayer(x)`; static MoD's `select=Selection` (and a gathered MoE's
     `rows=`) to the MoD unit (`_compiled_mod_forward`); gather MoD's `select=ExecutedTokens` and decoding's
     `cache=` run eagerly (module docstring)."""
-    from nagmoe.model.mod import Selection
-    from nagmoe.ops.nag_fused import dispatch_mode_active
-
     if not torch.compiler.is_compiling() and dispatch_mode_active():
         # an instrument's dispatch mode (SyncCounter, KernelContracts): dynamo would skip the frame, and a
         # fullgraph unit then fails ("found no compiled frames"); the instrument sees the same function eagerly
