@@ -157,10 +157,11 @@ def section_mod_block(ctx: Ctx) -> dict:
 
 def sections() -> dict:
     import gpu_check_mod as mod  # issue 59's MoD speed section (imports nothing of this file)
+    import gpu_check_profile as profile  # issue 60's profile section (imports nothing of this file)
     import gpu_check_train as train  # the training sections (imports nothing of this file)
 
     return {"install": section_install, "data": train.section_data, **train.TRAIN_SECTIONS,
-            "mod_speed": mod.section_mod_speed, "resume": train.section_resume, "mod_block": section_mod_block,
+            "mod_speed": mod.section_mod_speed, "profile": profile.section_profile, "resume": train.section_resume, "mod_block": section_mod_block,
             "env": section_env, "tests": section_tests, "dcp": section_dcp}
 
 
@@ -266,6 +267,12 @@ def cmd_summary(args) -> int:
         print(f"MoD: skip {_fmt(mod.get('skip_rate'))}, wall speed-up {_fmt(mod.get('wall_clock_speedup'))} vs "
               f"charged-FLOP ratio {_fmt(mod.get('charged_flop_ratio'))}: gain share "
               f"{_fmt(mod.get('gain_fraction_of_flop_gain'))}")
+    prof = data["sections"].get("profile")
+    if prof:  # issue 60's line: the r40 step at the paper's tokens per step, before and after
+        import gpu_check_profile
+
+        print(gpu_check_profile.summary_line(prof["result"]) if prof.get("result") else
+              f"profile: {prof.get('status')}: {(prof.get('error') or '')[:100]}")
     speed = data["sections"].get("mod_speed")
     if speed:  # issue 59's line: the dialled rates' step times against the skippable share
         import gpu_check_mod
