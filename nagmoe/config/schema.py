@@ -178,6 +178,9 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute each sublayer in the backward (deep configs)
     export_hf_at_end: bool = False  # rank 0 exports RUN_DIR/hf after the final checkpoint (needs the hf extra)
     nonfinite: str = "halt"  # a NaN/Inf loss or grad norm: halt (exit 3) | skip (drop the update, count it)
+    # Muon's step: loop (one matrix at a time) | stacked (one batched Newton-Schulz per same-shape stack, compiled
+    # when train.compile is on) | auto (stacked on CUDA, loop on the CPU); nagmoe/train/optim.py
+    muon_impl: str = "auto"
     gate_collapse_every: int = 100  # gate-collapse check every N steps after the injection warm-up (0 = off)
     gate_collapse_fraction: float = 0.25  # alarm when more than this fraction of NAG gates has gain < 0.05
     gate_collapse_stop: bool = False  # on the alarm: checkpoint and stop (exit 4) instead of only warning
@@ -227,6 +230,7 @@ CHOICES = {
     "train.optimizer": ("muon", "adamw"),
     "train.flop_convention": ("matmul", "non_embedding"),
     "train.nonfinite": ("halt", "skip"),
+    "train.muon_impl": ("auto", "loop", "stacked"),
     "parallel.engine": ("torch", "deepspeed"),
     "log.wandb": ("off", "offline", "online", "auto"),
 }
@@ -268,6 +272,7 @@ LEGACY_VALUES = {
     "model.moe.bias_update_rate": 1e-3,
     "model.moe.lb_granularity": "micro_batch",
     "model.mod.impl": "auto",
+    "train.muon_impl": "loop",
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract; also switchable
 # mid-run: logging, checkpoint timing and keeping, the export at the end, and the expert bias's rate (0 freezes
@@ -281,7 +286,8 @@ RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "t
 # global batch (train.batch_tokens) may not change. train.compile (issue 26) changes how the step runs, not
 # what it computes (compiled = eager within rounding): a run started eager resumes compiled and back; so does
 # model.mod.impl (issue 59: gather and static are one function, nagmoe/model/mod.py).
-RESUMABLE_LAYOUT_KEYS = ("parallel.ep", "train.micro_batch_tokens", "train.compile", "model.mod.impl")
+RESUMABLE_LAYOUT_KEYS = ("parallel.ep", "train.micro_batch_tokens", "train.compile", "model.mod.impl",
+                         "train.muon_impl")  # loop and stacked: one Muon, the same state (issue 60)
 # str keys with the choices auto | true | false that were booleans once: YAML booleans (and the strings the
 # boolean keys accept) read as "true" / "false"
 TRISTATE_KEYS = ("train.compile",)
