@@ -51,6 +51,7 @@ from nagmoe.model.mod import Selection
 from nagmoe.model.common import init_linear_uniform, rms_norm
 from nagmoe.model.init_rng import ParamInit
 from nagmoe.model.roles import SCALAR
+from nagmoe.ops.causal_conv import depthwise_causal_conv, grouped_causal_conv
 
 
 def qk_mean(q0_BTHS: torch.Tensor, k0_BTKS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +100,7 @@ class CCAttention(nn.Module):
             self.conv_seq = nn.Conv1d(C, C, k1, groups=C)  # depthwise
             self.conv_head = nn.Conv1d(C, C, k2, groups=H + K)  # one group per head
             self.conv_history = (k1 - 1) + (k2 - 1)
+        self.conv_impl = "auto"  # auto | conv | shift (`_convs`)
         self.log_temperature = nn.Parameter(torch.empty(K))
         self.reset_parameters()
 
@@ -117,7 +119,12 @@ class CCAttention(nn.Module):
     # ------------------------------------------------------------------------------------------------------
     def _convs(self, qk_BTC: torch.Tensor, cache: Optional[AttentionCache]) -> torch.Tensor:
         """Both causal convs over time; the W raw tokens before this chunk come from the cache (zeros at the
-        start, which is the causal left-padding of the full sequence)."""
+        start, which is the causal left-padding of the full sequence). `conv_impl`: "conv" the nn.Conv1d ops
+        in (B, C, T), "shift" the same maths as shifts + einsum in (B, T, C) (nagmoe/ops/causal_conv.py, no
+        transposes; equal to fp32 rounding); "auto" (default) "shift" inside a compiled graph, "conv" eagerly,
+        so that the eager CPU path (make demo) runs exactly today's ops. The cache keeps its (B, C, W) layout."""
+        if self.conv_impl == "shift" or (self.conv_impl == "auto" and torch.compiler.is_compiling()):
+            return self._shift_convs(qk_BTC, cache)
         W = self.conv_history
         qk_BCT = qk_BTC.transpose(1, 2)
         if cache is None:
@@ -129,6 +136,22 @@ class CCAttention(nn.Module):
         # contiguous (B, T, C): a channel-last view would reach SDPA with head-dim stride T, which its fused
         # CPU kernel rejects (silently falling back to the unfused math path)
         return self.conv_head(self.conv_seq(qk_BCL)).transpose(1, 2).contiguous()
+
+    def _shift_convs(self, qk_BTC: torch.Tensor, cache: Optional[AttentionCache]) -> torch.Tensor:
+        """`_convs` as shifts + einsum on the left-padded (B, W + T, C) tokens; same parameters, same cache."""
+        B, T, C = qk_BTC.shape
+        W = self.conv_history
+        if cache is None or cache.conv_BCW is None:
+            history_BWC = qk_BTC.new_zeros(B, W, C)
+        else:
+            history_BWC = cache.conv_BCW.transpose(1, 2)
+        qk_BLC = torch.cat([history_BWC, qk_BTC], dim=1)
+        if cache is not None:  # the (B, C, W) layout of the conv path, a copy (not a view of this chunk)
+            last_BCW = qk_BLC[:, qk_BLC.shape[1] - W:].transpose(1, 2)
+            cache.conv_BCW = last_BCW.clone(memory_format=torch.contiguous_format)
+        seq, head = self.conv_seq, self.conv_head
+        qk_BMC = depthwise_causal_conv(qk_BLC, seq.weight, seq.bias)  # M = T + k2 - 1
+        return grouped_causal_conv(qk_BMC, head.weight, head.bias, head.groups)
 
     def _value_shift(self, v_BTJ: torch.Tensor, cache: Optional[AttentionCache]) -> torch.Tensor:
         """v_t = [first channels of c_v(x_t) | last `shifted` channels of c_v(x_{t-1})] (linear, so shifting the
