@@ -41,7 +41,9 @@ from nagmoe.config import MoEConfig
 from nagmoe.base.errors import UserError
 from nagmoe.model.init_rng import ParamInit
 from nagmoe.model.roles import MATRIX, ROUTER
+from nagmoe.ops.cast_cache import WeightCastCache
 from nagmoe.ops.grouped_experts import EXPERT_FORWARD, expert_compute_dtype, expert_path, resolve_expert_backend
+from nagmoe.ops.permute import inverse_permutation, permute_rows
 
 
 class Router(nn.Linear):
@@ -119,9 +121,10 @@ def router_z_loss(logits_NE: torch.Tensor, live_N: Optional[torch.Tensor] = None
 class SlotPlan(NamedTuple):
     """How the routing slots went to the experts (MoELayer._slots_all / _slots_live), for `_unsort`."""
     order_S: torch.Tensor  # slot order by expert
+    unsort_S: torch.Tensor  # its inverse, unsort_S[order_S[s]] = s (each gather's backward is a gather by the other)
     counts_E: torch.Tensor  # the slots each expert runs (kept ones, executed ones)
     keep_S: Optional[torch.Tensor]  # with a capacity: the kept slots, in sorted order
-    index_S: Optional[torch.Tensor]  # with a capacity: the kept slots' rows (their outputs go back there)
+    kept_rows: Optional[tuple]  # with a capacity: (slot_R the kept slots, row_S each slot's kept row or R)
     dropped: torch.Tensor  # slots dropped by the capacity
     valid_S1: Optional[torch.Tensor]  # static MoD: the leading executed rows; the tail is masked
 
@@ -194,6 +197,9 @@ class MoELayer(nn.Module):
         # replaces the local expert call; an expert-parallel one also holds only this rank's slice of
         # w_in / w_out. None = all experts local. Model code stays single-device.
         self.dispatcher = None
+        # the expert stacks' compute-dtype copies, recast only after a write (nagmoe/ops/cast_cache.py): a plain
+        # attribute, not in the state_dict
+        self.weight_casts = WeightCastCache()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -265,7 +271,10 @@ class MoELayer(nn.Module):
             return self.dispatcher(self, x_SD, counts_E)
         if not torch.compiler.is_compiling():  # what ran (run_info.json), no sync; in a graph: model.common.recording
             self.ran["experts"] = expert_path(self.backend, x_SD, self.w_in)
-        return EXPERT_FORWARD[self.backend](x_SD, self.w_in, self.w_out, counts_E)
+        # the stacks in the experts' dtype: the backends' own `.to(dtype)` is then a no-op
+        dtype = expert_compute_dtype(x_SD)
+        return EXPERT_FORWARD[self.backend](x_SD, self.weight_casts.get("w_in", self.w_in, dtype),
+                                            self.weight_casts.get("w_out", self.w_out, dtype), counts_E)
 
     def forward(self, x_BTD: torch.Tensor, rows: Optional[tuple] = None, select=None) -> tuple:
         """`rows` = (row_N, n_rows): each token's row when x_BTD is a flat gather of several rows (MoD's
@@ -361,22 +370,30 @@ class MoELayer(nn.Module):
         (stable: token order within an expert). Cast to the experts' compute dtype first (bf16 under autocast):
         the slot copy and an expert-parallel payload are then N·K rows of bf16, not fp32, both ways. One gather
         from the K-expanded view: its backward writes each (n, k) once, then sums over k (no colliding
-        index_add). With a capacity only the kept slots travel; the dropped ones get y = 0."""
+        index_add). With a capacity only the kept slots travel; the dropped ones get y = 0.
+        The gather is `permute_rows`: x_SD[s] = x_ND[order_S[s] // K], backward a gather by the inverse
+        permutation summed over K (no zero-filled (N, K, D) buffer, no index_put; nagmoe/ops/permute.py)."""
         N, D = x_ND.shape
         K = self.top_k
         order_S = torch.argsort(expert_NK.reshape(-1), stable=True)
-        x_NKD = x_ND.to(expert_compute_dtype(x_ND)).unsqueeze(1).expand(N, K, D)
-        x_SD = x_NKD[order_S // K, order_S % K]
+        unsort_S = inverse_permutation(order_S)
+        x_ND = x_ND.to(expert_compute_dtype(x_ND))
         capacity = self.capacity(N) if self.training else None
         if capacity is None:
-            return x_SD, SlotPlan(order_S, counts_E, None, None, counts_E.new_zeros(()), None)
+            x_SD = permute_rows(x_ND, order_S, unsort_S, repeat=K)
+            return x_SD, SlotPlan(order_S, unsort_S, counts_E, None, None, counts_E.new_zeros(()), None)
         expert_S = expert_NK.reshape(-1)[order_S]
-        position_S = torch.arange(N * K, device=x_SD.device) - (counts_E.cumsum(0) - counts_E)[expert_S]
+        position_S = torch.arange(N * K, device=x_ND.device) - (counts_E.cumsum(0) - counts_E)[expert_S]
         keep_S = position_S < capacity
         kept_E = counts_E.clamp(max=capacity)
         index_S = keep_S.nonzero().squeeze(1)
-        return x_SD.index_select(0, index_S), SlotPlan(order_S, kept_E, keep_S, index_S, counts_E.sum() - kept_E.sum(),
-                                                        None)
+        # the kept slots only, R of them: slot_R = order_S[index_S]; row_S = each slot's kept row, R if dropped
+        slot_R = order_S.index_select(0, index_S)
+        R = slot_R.numel()
+        row_S = torch.full_like(order_S, R).scatter_(0, slot_R, torch.arange(R, device=order_S.device))
+        x_RD = permute_rows(x_ND, slot_R, row_S, repeat=K, partial="out")
+        return x_RD, SlotPlan(order_S, unsort_S, kept_E, keep_S, (slot_R, row_S), counts_E.sum() - kept_E.sum(),
+                              None)
 
     def _slots_live(self, x_ND: torch.Tensor, key_S: torch.Tensor, counts_E: torch.Tensor,
                     live_N: torch.Tensor) -> tuple:
@@ -400,31 +417,34 @@ class MoELayer(nn.Module):
             kept_E = counts_E.clamp(max=capacity.to(counts_E.dtype))
             dropped = counts_E.sum() - kept_E.sum()
         order_S = torch.argsort(key_S, stable=True)
+        unsort_S = inverse_permutation(order_S)
         valid_S1 = (torch.arange(S, device=key_S.device) < kept_E.sum()).unsqueeze(1)
-        x_NKD = x_ND.to(expert_compute_dtype(x_ND)).unsqueeze(1).expand(N, K, D)
-        zero = torch.zeros((), dtype=x_NKD.dtype, device=x_NKD.device)
-        x_SD = torch.where(valid_S1, x_NKD[order_S // K, order_S % K], zero)
+        x_ND = x_ND.to(expert_compute_dtype(x_ND))
+        zero = torch.zeros((), dtype=x_ND.dtype, device=x_ND.device)
+        x_SD = torch.where(valid_S1, permute_rows(x_ND, order_S, unsort_S, repeat=K), zero)
         if self.dispatcher is not None:  # only the executed slots travel (the dispatcher reads its sizes anyway)
             x_SD = x_SD[:int(kept_E.sum())]
-        return x_SD, SlotPlan(order_S, kept_E, None, None, dropped, valid_S1)
+        return x_SD, SlotPlan(order_S, unsort_S, kept_E, None, None, dropped, valid_S1)
 
     def _unsort(self, y_SD: torch.Tensor, plan: SlotPlan) -> tuple:
         """The experts' slot outputs back in (N, K, D) token order: (y_NKD, kept_NK or None (every slot kept),
-        dropped). Dropped and skipped slots are 0."""
-        order_S, _, keep_S, index_S, dropped, valid_S1 = plan
+        dropped). Dropped and skipped slots are 0. Gathers both ways (`permute_rows`): y_NKD[n, k] = y_SD[unsort_S[n·K
+        + k]], its backward a gather by order_S; with a capacity y_RD's kept rows straight to their slots (a
+        dropped slot reads a zero row), the backward a gather by the kept slots."""
+        order_S, unsort_S, _, keep_S, kept_rows, dropped, valid_S1 = plan
         S, D = order_S.numel(), y_SD.shape[-1]
         K = self.top_k
-        if index_S is not None:  # a capacity: the kept slots' outputs into their rows
-            y_SD = y_SD.new_zeros(S, D).index_copy(0, index_S, y_SD)
+        if kept_rows is not None:  # a capacity: the kept slots' outputs into their rows
+            slot_R, row_S = kept_rows
+            return (permute_rows(y_SD, row_S, slot_R, partial="in").view(S // K, K, D),
+                    keep_S[unsort_S].view(S // K, K), dropped)
         if valid_S1 is not None:
             if y_SD.shape[0] != S:  # the loop backend and a dispatcher return the executed slots only
                 y_SD = torch.cat([y_SD, y_SD.new_zeros(S - y_SD.shape[0], D)])
             y_SD = torch.where(valid_S1, y_SD, torch.zeros((), dtype=y_SD.dtype, device=y_SD.device))
-        unsort_S = torch.empty_like(order_S)
-        unsort_S[order_S] = torch.arange(S, device=order_S.device)
         kept = keep_S if valid_S1 is None else valid_S1.squeeze(1)
-        return (y_SD[unsort_S].view(S // K, K, D), None if kept is None else kept[unsort_S].view(S // K, K),
-                dropped)
+        return (permute_rows(y_SD, unsort_S, order_S).view(S // K, K, D),
+                None if kept is None else kept[unsort_S].view(S // K, K), dropped)
 
 
 class GlobalBalance:

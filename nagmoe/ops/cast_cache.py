@@ -1,0 +1,69 @@
+"""A parameter's compute-dtype copy made once per weight write, not once per use (the MoE's expert stacks).
+
+Under autocast bf16 the experts run `w.to(bf16)` on their fp32 stacks every micro-step, and again in an
+activation-checkpoint recompute, although the weights change only at the optimizer step. `WeightCastCache`
+keeps the cast per parameter, keyed by what a write changes:
+
+    key = (parameter identity, w._version, w.data_ptr(), device, dtype)
+
+`_version` is bumped by every in-place write through the parameter or a view of it (the optimizer's `add_`,
+`load_state_dict`'s `copy_`, an in-place init, `keep_experts`' new Parameter changes the identity); a storage
+swap changes `data_ptr`. A write through `.data` is invisible to `_version`: nothing in nagmoe writes that way.
+
+Gradients still reach the fp32 parameter on every micro-step: `_CastFrom` returns the cached copy in the
+forward and casts the gradient to the parameter's dtype in the backward, which is what `.to`'s own backward
+does (`_to_copy`'s backward is a cast of the gradient), so the values are those of the uncached path.
+
+The cache is a plain attribute of the module: not a parameter or buffer, not in the state_dict, dropped by
+copy/pickle. Inside a torch.compile trace it is skipped (`w.to(dtype)` as before, in the graph): a Python
+dict read per call would be guarded on or break the graph.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+class _CastFrom(torch.autograd.Function):
+    """Forward: the given cast of `w` (no op); backward: the gradient cast to w's dtype, as `w.to`'s backward."""
+
+    @staticmethod
+    def forward(ctx, w, w_cast):
+        ctx.dtype = w.dtype
+        return w_cast.view_as(w_cast)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+class WeightCastCache:
+    """`get(name, w, dtype)` = `w.to(dtype)` (same values, same gradient), the cast done once per write of w."""
+
+    def __init__(self):
+        self._entries: dict = {}  # name -> (weakref to the parameter, key, cast)
+        self.casts = 0  # casts made (tests read it)
+
+    def get(self, name: str, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if w.dtype == dtype or torch.compiler.is_compiling():
+            return w.to(dtype)  # no cast at all (CPU fp32: `.to` returns w) / the graph's own cast
+        key = (w._version, w.data_ptr(), w.device, dtype)
+        entry = self._entries.get(name)
+        if entry is None or entry[0]() is not w or entry[1] != key:
+            with torch.no_grad():
+                cast = w.detach().to(dtype)
+            self._entries[name] = entry = (weakref.ref(w), key, cast)
+            self.casts += 1
+        if w.requires_grad and torch.is_grad_enabled():
+            return _CastFrom.apply(w, entry[2])
+        return entry[2]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __getstate__(self):  # copies and pickles start empty (a weakref does not pickle; a cast is cheap)
+        return {"_entries": {}, "casts": 0}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
