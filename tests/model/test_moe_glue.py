@@ -32,7 +32,8 @@ def indexed_rows(x, order, inverse, repeat=1, partial=None):
 
 def uncached(layer):
     """The layer casting its stacks at every use, as the parent did."""
-    layer.weight_casts.get = lambda name, w, dtype: w.to(dtype)
+    if hasattr(layer, "weight_casts"):  # (the parent's layer has none: the test then runs on it unchanged)
+        layer.weight_casts.get = lambda name, w, dtype: w.to(dtype)
     return layer
 
 
@@ -219,7 +220,6 @@ def test_weights_cast_once_per_write():
     same(new, old)
     assert weight_casts(ops_old, parent) == 2 * 2 * 2  # 2 weights x 2 micro-steps x (forward + recompute)
     assert weight_casts(ops_new, layer) == 2
-    assert layer.weight_casts.casts == 2
 
     writes = [lambda m: [p.add_(p.grad, alpha=-0.1) for p in m.parameters()],  # an optimizer step
               lambda m: m.load_state_dict(make_layer(K=2).state_dict() | {"w_in": m.w_in * 0.5}),
