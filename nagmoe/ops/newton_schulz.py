@@ -45,3 +45,27 @@ def muon_shape_scale(shape: torch.Size) -> float:
     """sqrt(max(1, rows / cols)) over the last two dims: an orthogonal update of a tall matrix has a smaller
     RMS, this restores it (rows = fan-out for nn.Linear's (out, in) layout)."""
     return max(1.0, shape[-2] / shape[-1]) ** 0.5
+
+
+def wide_shape(shape: torch.Size) -> tuple[int, int]:
+    """(m, n) with m <= n of the last two dims: the orientation Newton-Schulz iterates on (X X^T is m x m)."""
+    rows, cols = shape[-2], shape[-1]
+    return (cols, rows) if rows > cols else (rows, cols)
+
+
+def orthogonalise_stack(updates: list[torch.Tensor], steps: int = NS_STEPS,
+                        dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
+    """`orthogonalise` of every tensor in `updates` (each (..., r, c), all with the same `wide_shape` (m, n)) as
+    ONE batched call: each matrix turned wide (a tall one transposed), all cat into X (G, m, n), the results
+    split back and turned back. Per matrix the same maths as `orthogonalise(u)` (a tall u is transposed there
+    too); only the batch differs, so a batched matmul may round the last bits differently."""
+    flat = [u.reshape(-1, u.size(-2), u.size(-1)) for u in updates]
+    oriented = [u.mT if u.size(-2) > u.size(-1) else u for u in flat]
+    x_GMN = oriented[0] if len(oriented) == 1 else torch.cat(oriented)
+    o_GMN = orthogonalise(x_GMN, steps, dtype)
+    out, k = [], 0
+    for u, w in zip(updates, oriented):
+        o = o_GMN[k:k + w.size(0)]
+        k += w.size(0)
+        out.append((o.mT if u.size(-2) > u.size(-1) else o).reshape(u.shape))
+    return out
