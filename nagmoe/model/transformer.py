@@ -36,6 +36,7 @@ from torch import nn
 
 from nagmoe.base.errors import UserError
 from nagmoe.model.attention import AttentionCache, build_attention
+from nagmoe.model.common import recording
 from nagmoe.model.init_rng import ParamInit, init_model
 from nagmoe.model.mlp import DenseMLP
 from nagmoe.model.mod import run_on_executed
@@ -43,10 +44,11 @@ from nagmoe.model.mod_calibration import SkipRateUnavailable
 from nagmoe.model.residual import PRECISIONS, build_residual_stream
 from nagmoe.model.roles import UNEMBEDDING
 from nagmoe.model.stats import StatsCollector
+from nagmoe.ops.loss import IGNORE_INDEX, chunk_cross_entropy, run_chunk  # IGNORE_INDEX: targets < 0 not scored
 
-IGNORE_INDEX = -1  # targets < 0 are not scored
 # `uniform` precision computes logits and loss in chunks of at most this many fp32 logits (256 MB: 2048 tokens
-# at V = 32768), each recomputed in the backward, so the (B, T, V) fp32 logits never exist at once
+# at V = 32768), each recomputed in the backward, so the (B, T, V) fp32 logits never exist at once (unless the
+# memory estimate says they fit: Transformer.loss_recompute, nagmoe.train.memory.plan_loss_recompute)
 LOSS_CHUNK_ELEMENTS = 2 ** 26
 
 
@@ -113,6 +115,12 @@ class Transformer(nn.Module):
         self.collect_stats = False
         self.precision = "uniform"  # set_precision (train.precision)
         self.loss_chunk_tokens: Optional[int] = None  # None: LOSS_CHUNK_ELEMENTS // vocab_size
+        # the loss chunk's function (nagmoe/ops/loss.py): the compiled one when compile_model attached it
+        self.loss_chunk: Callable = chunk_cross_entropy
+        # recompute each chunk's logits in the backward (True) or keep them: the memory estimate's choice
+        # (nagmoe.train.memory.plan_loss_recompute), equal results either way
+        self.loss_recompute = True
+        self.ran: dict[str, str] = {}  # the loss path the last call took (nagmoe.train.backends_ran)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -226,7 +234,12 @@ class Transformer(nn.Module):
             return ModelOutput(None, None, aux_loss, stats.as_dict() if stats is not None else None)
         if targets_BT is not None and self.precision == "uniform" and stats is None:
             loss = chunked_loss(self.stream, state, self.lm_head, targets_BT, reduction,
-                                self.loss_chunk_tokens or max(1, LOSS_CHUNK_ELEMENTS // self.config.vocab_size))
+                                self.loss_chunk_tokens or max(1, LOSS_CHUNK_ELEMENTS // self.config.vocab_size),
+                                self.loss_chunk, self.loss_recompute)
+            ran = recording(self.ran)
+            if ran is not None:
+                ran["loss"] = ("eager" if self.loss_chunk is chunk_cross_entropy else "compiled") + (
+                    ", chunks recomputed" if self.loss_recompute else ", logits kept")
             return ModelOutput(None, loss, aux_loss, None)
         logits_BTV = self.stream.decode(state, self.lm_head, stats)
         loss = None
@@ -247,34 +260,30 @@ def _token_rows(state, lo: int, hi: int):
 
 
 def chunked_loss(stream, state, lm_head: nn.Module, targets_BT: torch.Tensor, reduction: str,
-                 chunk_tokens: int) -> torch.Tensor:
-    """Cross-entropy of the decoded state, `chunk_tokens` tokens at a time: each chunk's logits are made, scored
-    and dropped, and remade in the backward (activation checkpointing), so at most one chunk's fp32 logits
-    exist. Equal to the full computation: the sum over chunks / the count of scored targets ("mean"), or the
-    per-token losses ("none")."""
+                 chunk_tokens: int, chunk_fn: Callable = chunk_cross_entropy, recompute: bool = True) -> torch.Tensor:
+    """Cross-entropy of the decoded state, `chunk_tokens` tokens at a time: each chunk's logits are made and
+    scored by `chunk_fn` (nagmoe/ops/loss.py: the eager chunk, or the compiled one, one region); with `recompute`
+    they are dropped and remade in the backward (activation checkpointing), so at most one chunk's fp32 logits
+    exist, else each chunk keeps what its backward needs (the memory estimate's choice: no second decode
+    matmul). Equal to the full computation: the sum over chunks / the count of scored targets ("mean"), or the
+    per-token losses ("none"); recompute or not, the same values (the recompute reruns the same function)."""
     if reduction not in ("mean", "none"):
         raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
     B, T = targets_BT.shape
     N = B * T
     w_VD = stream.decode_weight(lm_head)  # once, not per chunk
     y_N = targets_BT.reshape(N)
-
-    def chunk(lo, hi, *tensors):
-        part = tensors[0] if isinstance(state, torch.Tensor) else type(state)(*tensors)
-        logits_NV = stream.decode_with(part, w_VD).flatten(0, 1)
-        return F.cross_entropy(logits_NV, y_N[lo:hi], ignore_index=IGNORE_INDEX,
-                               reduction="none" if reduction == "none" else "sum")
+    chunk_reduction = "none" if reduction == "none" else "sum"
 
     parts = []
     for lo in range(0, N, chunk_tokens):
         hi = min(N, lo + chunk_tokens)
         rows = _token_rows(state, lo, hi)
-        rows = (rows,) if isinstance(rows, torch.Tensor) else tuple(rows)
-        if chunk_tokens >= N:  # one chunk: nothing to save by recomputing
-            parts.append(chunk(lo, hi, *rows))
+        if chunk_tokens >= N or not recompute:  # one chunk: nothing to save by recomputing
+            parts.append(run_chunk(chunk_fn, stream, rows, w_VD, y_N[lo:hi], chunk_reduction))
         else:
-            parts.append(torch.utils.checkpoint.checkpoint(functools.partial(chunk, lo, hi), *rows,
-                                                           use_reentrant=False))
+            parts.append(torch.utils.checkpoint.checkpoint(run_chunk, chunk_fn, stream, rows, w_VD, y_N[lo:hi],
+                                                           chunk_reduction, use_reentrant=False))
     if reduction == "none":
         return torch.cat(parts).view(B, T)
     return torch.stack(parts).sum() / (y_N != IGNORE_INDEX).sum()

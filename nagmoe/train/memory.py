@@ -24,6 +24,9 @@ Parts, in bytes per rank (N = tokens of one micro-batch on the rank, P = paralle
   backward_transient  the fp32 logits' gradient and the loss's (2 x N x vocab x 4 bytes), the largest tensors the
                     backward creates at once; with train.precision uniform the loss runs in chunks (at most
                     LOSS_CHUNK_ELEMENTS logits each, recomputed in the backward): 3 x chunk x vocab x 4
+  loss_logits_kept  (inside `activations`) the chunks' fp32 logits kept for the backward when the loss does not
+                    recompute them (`loss_recompute=False`): N x vocab x 4; 0 when it recomputes. The trainer
+                    keeps them where the estimate with them fits the device (`plan_loss_recompute`)
   receive_worst     expert parallelism: dropless, one rank may receive every slot of all P sources (P·N·K rows
                     of x, the two hidden activations and y); with model.moe.capacity_factor f at most
                     P·L·ceil(f·N·K/E) rows. The balanced case (N·K rows) is inside `activations` already.
@@ -245,10 +248,47 @@ def receive_worst_bytes(model_cfg, tokens: int, ep: int, bf16: bool) -> int:
     return rows * (2 * D + 2 * H) * act
 
 
+def kept_logits_bytes(model_cfg, tokens: int, precision: str) -> int:
+    """The fp32 logits a chunked loss keeps for its backward over a micro-batch of `tokens` tokens when it does
+    not recompute its chunks: tokens x vocab x 4 (the compiled chunk saves the decode matmul's output and the
+    log-sum-exp, at most this much). 0 when the loss is one chunk (never recomputed; the probes measure it)."""
+    from nagmoe.model.transformer import LOSS_CHUNK_ELEMENTS
+
+    chunked = precision == "uniform" and tokens > max(1, LOSS_CHUNK_ELEMENTS // model_cfg.vocab_size)
+    return tokens * model_cfg.vocab_size * 4 if chunked else 0
+
+
+def loss_recompute_needed(recompute_total: int, kept_bytes: int, device_memory_bytes: int) -> bool:
+    """Recompute the loss's chunks in the backward only when keeping their logits (`kept_bytes`) on top of the
+    estimate that recomputes them (`recompute_total`) would not fit the device."""
+    return kept_bytes > 0 and recompute_total + kept_bytes > device_memory_bytes
+
+
+def plan_loss_recompute(cfg, device_memory_bytes: int, ep: Optional[int] = None, world_size: int = 1,
+                        estimate_bytes: Optional[int] = None) -> tuple:
+    """(recompute, log line) for a CUDA trainer's start: `Transformer.loss_recompute` from the memory estimate
+    at the trainer's micro-batch (`micro_batch_rows`). `estimate_bytes`: the total of an estimate made ahead for
+    this layout with the chunks recomputed (the GPU check's committed one); None estimates here (minutes of
+    host CPU at paper width). Equal losses and gradients either way (tests/perf/test_compiled_loss.py)."""
+    tokens = max(1, micro_batch_rows(cfg, world_size)) * cfg.data.seq_len
+    kept = kept_logits_bytes(cfg.model, tokens, cfg.train.precision)
+    if kept == 0:
+        return True, "loss: one chunk per micro-batch, nothing recomputed"
+    if estimate_bytes is None:
+        estimate_bytes = estimate_memory(cfg, ep=ep, micro_batch_tokens=tokens, device="cuda",
+                                         world_size=world_size)["total"]
+    recompute = loss_recompute_needed(estimate_bytes, kept, device_memory_bytes)
+    return recompute, (f"loss: {'recompute each chunk in the backward' if recompute else 'keep every chunk'}: "
+                       f"estimate {estimate_bytes / GIB:.1f} GiB + kept fp32 logits {kept / GIB:.1f} GiB "
+                       f"{'>' if recompute else '<='} device {device_memory_bytes / GIB:.1f} GiB")
+
+
 def estimate_memory(cfg, ep: Optional[int] = None, micro_batch_tokens: Optional[int] = None,
-                    device: str = "cuda", world_size: Optional[int] = None, rules: Optional[str] = None) -> dict:
+                    device: str = "cuda", world_size: Optional[int] = None, rules: Optional[str] = None,
+                    loss_recompute: bool = True) -> dict:
     """Bytes per rank by part and their `total` for `cfg` at this layout (module docstring); `rules`: the torch
-    version whose CUDA autocast rules apply (`estimate_rules`), named in `layout.cuda_rules`."""
+    version whose CUDA autocast rules apply (`estimate_rules`), named in `layout.cuda_rules`; `loss_recompute`:
+    the loss's choice (`plan_loss_recompute`), False counts the kept logits in `activations`."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
     rules = estimate_rules(device, rules)
@@ -264,6 +304,9 @@ def estimate_memory(cfg, ep: Optional[int] = None, micro_batch_tokens: Optional[
     out["ddp_buckets"] = params["replicated_bytes"] if world > 1 else 0
     out.update(activation_bytes(cfg.model, rows * seq, rules, cfg.train.activation_checkpointing,
                                 cfg.train.precision))
+    out["loss_logits_kept"] = 0 if loss_recompute else kept_logits_bytes(cfg.model, rows * seq, cfg.train.precision)
+    out["activations"] += out["loss_logits_kept"]
+    out["layout"]["loss_recompute"] = loss_recompute
     out["receive_worst"] = receive_worst_bytes(cfg.model, rows * seq, ep, rules is not None)
     out["runtime"] = CUDA_RUNTIME_BYTES if device == "cuda" else CPU_PROCESS_BYTES
     parts = ("parameters", "gradients", "ddp_buckets", "optimizer", "optimizer_workspace", "activations",

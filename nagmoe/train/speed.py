@@ -8,8 +8,9 @@ compile (`train.compile`: auto | true | false; auto = on for CUDA, off for CPU; 
     block index lives in the residual stream's loop (`stream.apply(index, ...)`, eager), NAG's gate
     (`NAGGate.sublayer_number` is read only at init) and MoD's bookkeeping stay outside the unit. The stream
     itself (pre-norm's norm and add, NAG's modulator and update) runs between the units: NAG's through
-    `model.nag.impl` (`compiled` on CUDA: its own fused regions, also index-free), the embedding, the decode
-    and the loss eagerly. Dynamic sizes:
+    `model.nag.impl` (`compiled` on CUDA: its own fused regions, also index-free), the embedding eagerly; the
+    loss's chunk (decode, softcap, log-softmax, NLL) is its own compiled region (`model.loss_chunk`,
+    nagmoe/ops/loss.py), one graph for every chunk. Dynamic sizes:
       - static MoD (`model.mod.impl=static`, the CUDA default): `select=Selection` (a device mask, fixed
         shapes) goes to the sublayer's MoD unit, compiled once per class like the plain one, with
         fullgraph=True but for the MoE (its expert call may leave the graph, below): the same graphs before and
@@ -156,7 +157,8 @@ def _run_experts(layer, in_graph, eager, x_SD: torch.Tensor, counts_E: torch.Ten
 
 def compile_model(model, backend="inductor") -> dict:
     """Compile every sublayer of `model` (a Transformer) in place, one compiled forward per sublayer class
-    (module docstring). Idempotent; returns {"unit", "classes", "backend"} for the run's log. `backend`:
+    (module docstring), and its loss chunk. Idempotent; returns {"unit", "classes", "backend", "loss"} for the
+    run's log. `backend`:
     torch.compile's (tests count graphs with "eager" / "aot_eager")."""
     classes = []
     for sublayer in model.sublayers():
@@ -171,7 +173,15 @@ def compile_model(model, backend="inductor") -> dict:
         sublayer._compiled_forward = _compiled_class_forward(cls, backend)
         sublayer._compiled_mod_forward = _compiled_class_forward(cls, backend, mod_unit=True)
         _install_forward(sublayer)
-    return {"unit": "sublayer", "classes": classes, "backend": backend if isinstance(backend, str) else "custom"}
+    loss = "eager"
+    if hasattr(model, "loss_chunk"):  # the loss's chunk: one compiled region (nagmoe/ops/loss.py)
+        from nagmoe.ops.loss import compiled_chunk, resolve_loss_backend
+
+        loss = resolve_loss_backend(True, backend)
+        if loss == "compiled":
+            model.loss_chunk = compiled_chunk(backend)
+    return {"unit": "sublayer", "classes": classes, "backend": backend if isinstance(backend, str) else "custom",
+            "loss": loss}
 
 
 # ----------------------------------------------------------------------------------------------------------
