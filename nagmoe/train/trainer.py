@@ -385,8 +385,21 @@ class Trainer:
             grad_norm = clip_grad_norm_(self.replicated_params, self.expert_params, max_norm, self.mesh)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64, device=sums.device).view(1)
+        # Read after the step (issue 60): the optimizer's kernels are launched before the host waits for the
+        # metrics, the guard decided on the device (ok: the same test as is_nonfinite, in float64), the step
+        # applied only where ok (OptimizerBundle.step). Default on CUDA; the CPU (synchronous anyway) keeps
+        # the read before the step, its numerics unchanged; `metrics_read_after` (True / False) forces either.
+        read_after = getattr(self, "metrics_read_after", None)
+        if read_after is None:
+            read_after = self.device.type == "cuda"
+        read_after = read_after and self.engine is None and self.optim.device_guard
+        ok = None
+        if read_after:
+            ok = torch.isfinite(sums.double().sum()) & torch.isfinite(grad_norm[0])
+            self.optim.step(ok=ok)
         # the step's one metrics read: loss, aux loss, gradient norm, the worst expert load
-        values = torch.cat([sums.double(), torch.as_tensor(grad_norm, dtype=torch.float64, device=sums.device).view(1),
+        values = torch.cat([sums.double(), grad_norm,
                             (worst_load if worst_load is not None else torch.zeros(1, device=sums.device))
                             .double().view(1).to(sums.device)]).tolist()
         loss_sum, aux_sum, grad_norm = values[:3]
@@ -396,7 +409,7 @@ class Trainer:
         if skipped:  # halts (TrainingHalted, exit 3) unless train.nonfinite=skip
             self._nonfinite(loss_sum / self.accum, grad_norm, halt=self.engine is not None)
         if self.engine is None:
-            if not skipped:
+            if not skipped and not read_after:
                 self.optim.step()
             self.optim.zero_grad(set_to_none=True)
         if not skipped and m.ffn == "moe" and m.moe.expert_bias:

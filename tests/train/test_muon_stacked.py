@@ -191,3 +191,32 @@ def test_resolution_and_refusals():
     cfg = small_model_cfg()
     torch.manual_seed(0)
     assert build_optimizers(build_model(cfg.model), cfg.train).by_kind["muon"].impl == "loop"  # default, CPU
+
+
+@pytest.mark.gpu
+def test_cuda_default_is_stacked_compiled_and_close_to_the_loop():
+    """On CUDA, train.muon_impl auto = stacked, compiled (inductor) under train.compile auto; bf16 Newton-Schulz
+    in another batch may take other cuBLAS kernels: each matrix's update within the distributed Muon's bf16
+    tolerance (nagmoe/parallel/distributed_muon.py BF16_RTOL) of the loop's."""
+    from nagmoe.parallel.distributed_muon import BF16_RTOL
+
+    cfg = small_model_cfg()
+    torch.manual_seed(0)
+    model_a = build_model(cfg.model).cuda()
+    model_b = copy.deepcopy(model_a)
+    loop = build_optimizers(model_a, dataclasses.replace(cfg.train, muon_impl="loop")).by_kind["muon"]
+    stacked = build_optimizers(model_b, cfg.train).by_kind["muon"]
+    assert stacked.impl == "stacked" and stacked.compile
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        for p, q in zip(model_a.parameters(), model_b.parameters()):
+            p.grad = torch.randn(p.shape, generator=gen).cuda()
+            q.grad = p.grad.clone()
+        pa, pb = loop.param_groups[0]["params"], stacked.param_groups[0]["params"]
+        before_a, before_b = [p.detach().clone() for p in pa], [q.detach().clone() for q in pb]
+        loop.step()
+        stacked.step()
+        for wa, wb, p, q in zip(before_a, before_b, pa, pb):
+            da, db = (p - wa).reshape(-1, *p.shape[-2:]), (q - wb).reshape(-1, *p.shape[-2:])
+            for k in range(da.size(0)):
+                assert rel(db[k], da[k]) <= BF16_RTOL, (tuple(p.shape), k, rel(db[k], da[k]))
