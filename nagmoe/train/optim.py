@@ -65,6 +65,9 @@ ROLE_LR_FIELD = {
 }
 ADAMW_ROLES = (EMBEDDING, UNEMBEDDING, SCALAR, CONV, ROUTER, GATE)
 MUON_IMPLS = ("auto", "loop", "stacked")  # train.muon_impl
+# elements per stack (64 Mi, as distributed Muon's BATCH_ELEMENTS): a longer run of one wide shape is cut at
+# parameter boundaries, bounding the step's temporaries (the cat, Newton-Schulz's X, the new weights) to ~1 GiB
+STACK_ELEMENTS = 1 << 26
 STACK_COMPILE_BACKEND = "inductor"  # the compiled stack step's backend (a test traces with aot_eager: seconds)
 
 
@@ -186,16 +189,31 @@ class Muon(torch.optim.Optimizer):
             p.copy_(torch.where(ok, new_p, p))
 
     def stacks(self, index: int, group: dict) -> list[tuple[tuple, list[int]]]:
-        """Group `index`'s parameters with a gradient as stacks: [(key, indices)], key = (group index, wide
-        (m, n), dtype, device); in order of first appearance (cached per set of parameters with a gradient)."""
+        """Group `index`'s parameters with a gradient as stacks: [(key, indices)]: one wide shape (m, n), dtype
+        and device each, in order of first appearance, cut into runs of at most STACK_ELEMENTS elements (a larger
+        parameter alone); key = (group index, the members' shapes, dtype, device): equal runs share one compiled
+        step. Cached per set of parameters with a gradient."""
         live = tuple(i for i, p in enumerate(group["params"]) if p.grad is not None)
         cached = self._stacks.get(index)
         if cached is None or cached[0] != live:
-            by_key: dict = {}
+            by_shape: dict = {}
             for i in live:
                 p = group["params"][i]
-                by_key.setdefault((index, wide_shape(p.shape), p.dtype, str(p.device)), []).append(i)
-            self._stacks[index] = cached = (live, list(by_key.items()))
+                by_shape.setdefault((wide_shape(p.shape), p.dtype, str(p.device)), []).append(i)
+            runs = []
+            for (_, dtype, device), members in by_shape.items():
+                run, size = [], 0
+                for i in members:
+                    n = group["params"][i].numel()
+                    if run and size + n > STACK_ELEMENTS:
+                        runs.append(run)
+                        run, size = [], 0
+                    run.append(i)
+                    size += n
+                runs.append(run)
+            stacks = [((index, tuple(tuple(group["params"][i].shape) for i in run), group["params"][run[0]].dtype,
+                        str(group["params"][run[0]].device)), run) for run in runs]
+            self._stacks[index] = cached = (live, stacks)
         return cached[1]
 
     def _step_stacked(self, index: int, group: dict, ok: Optional[torch.Tensor]) -> None:

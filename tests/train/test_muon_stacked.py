@@ -70,9 +70,37 @@ def test_stacks_cover_the_real_models_shapes():
     # every Muon matrix in exactly one stack, one stack per wide shape, fewer calls than matrices
     members = sorted(i for _, idx in stacks for i in idx)
     assert members == list(range(len(shapes)))
-    assert len(stacks) == len({wide_shape(s) for s in shapes}) < len(shapes)
-    for (_, wide, _, _), idx in stacks:
-        assert all(wide_shape(shapes[i]) == wide for i in idx)
+    assert len(stacks) == len({wide_shape(s) for s in shapes}) < len(shapes)  # small: no stack is cut
+    for (_, member_shapes, _, _), idx in stacks:
+        assert len({wide_shape(shapes[i]) for i in idx}) == 1 and member_shapes == tuple(shapes[i] for i in idx)
+
+
+def test_long_stacks_are_cut_and_equal_runs_share_one_compiled_step(monkeypatch):
+    """STACK_ELEMENTS bounds a stack's temporaries: a run of one wide shape is cut at parameter boundaries; the
+    cut changes no result, and runs of equal member shapes share one compiled graph."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(optim_mod, "STACK_ELEMENTS", 1100)  # two 16 x 32 matrices; an expert stack alone
+    monkeypatch.setattr(optim_mod, "STACK_COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    (model_a, bundle_a), (model_b, bundle_b) = twin_bundles(compile="true")
+    muon_a, muon_b = bundle_a.by_kind["muon"], bundle_b.by_kind["muon"]
+    group = muon_b.param_groups[0]
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(1):
+        same_grads(model_a, model_b, gen)
+        muon_a.step()
+        muon_b.step()
+        assert_weights_close(muon_a.param_groups[0]["params"], group["params"], group["param_names"], "cut")
+    stacks = muon_b.stacks(0, group)
+    sizes = [sum(group["params"][i].numel() for i in idx) for _, idx in stacks]
+    assert all(size <= 1100 or len(idx) == 1 for size, (_, idx) in zip(sizes, stacks)), sizes
+    assert sorted(i for _, idx in stacks for i in idx) == list(range(len(group["params"])))
+    keys = {key for key, _ in stacks}
+    assert len(keys) < len(stacks)  # some runs are alike ...
+    assert len(muon_b._compiled) == len(keys) == counters["stats"]["unique_graphs"]  # ... and share a graph
+    torch._dynamo.reset()
 
 
 def assert_weights_close(params_a, params_b, names, where):
@@ -166,7 +194,7 @@ def test_compiled_stack_step_one_graph_per_stack_no_recompile(monkeypatch):
     muon_a, muon_b = bundle_a.by_kind["muon"], bundle_b.by_kind["muon"]
     assert muon_b.compile
     gen = torch.Generator().manual_seed(4)
-    for step in range(3):
+    for step in range(2):
         for b in (bundle_a, bundle_b):
             b.set_lr_multiplier(0.5 + 0.2 * step)
         same_grads(model_a, model_b, gen)
@@ -176,7 +204,7 @@ def test_compiled_stack_step_one_graph_per_stack_no_recompile(monkeypatch):
                              muon_a.param_groups[0]["param_names"], step)
     n_stacks = len(muon_b.stacks(0, muon_b.param_groups[0]))
     assert len(muon_b._compiled) == n_stacks
-    assert counters["stats"]["unique_graphs"] == n_stacks, dict(counters["stats"])  # 3 steps, 3 lrs: no recompile
+    assert counters["stats"]["unique_graphs"] == n_stacks, dict(counters["stats"])  # 2 steps, 2 lrs: no recompile
     torch._dynamo.reset()
 
 
