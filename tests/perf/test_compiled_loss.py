@@ -107,34 +107,32 @@ def test_compiled_chunk_equals_the_eager_loss_and_gradients(stream, autocast):
 
 
 def test_the_loss_is_one_compiled_graph_and_steps_do_not_recompile():
-    """compile_model puts the chunk function in a graph: exactly one graph holds the cross-entropy, the four
-    chunks of three steps run it, no recompile; evaluation (no grad) adds one graph at most. The parent's
-    compile_model left the loss eager: no graph held it."""
+    """compile_model puts the chunk function in a graph: after three training steps of the model (four chunks
+    each) exactly one graph holds the cross-entropy, no recompile; evaluation (no grad) adds one graph at most.
+    The parent's compile_model left the loss eager: no graph held it."""
     graphs = []
 
     def recorder(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    torch._dynamo.reset()
-    model = _model("prenorm-softcap")
-    summary = compile_model(model, backend=recorder)
-    lanes, y = _inputs("prenorm-softcap")
-
     def loss_graphs():
         return [g for g in graphs if any("cross_entropy" in str(n.target) for n in g.graph.nodes)]
 
-    for _ in range(3):
-        _loss_and_grads(model, lanes, y, "mean", model.loss_chunk)
-    assert len(loss_graphs()) == 1, f"graphs holding the loss: {len(loss_graphs())} of {len(graphs)}"
-    assert summary["loss"] == "compiled"
-    with torch.no_grad():
-        chunked_loss(model.stream, lanes[0], model.lm_head, y, "mean", CHUNK, model.loss_chunk)
-    assert len(loss_graphs()) <= 2
-    # the model's own call takes the compiled chunk and records it (run_info.json's backends_ran)
+    torch._dynamo.reset()
+    model = _model("prenorm-softcap")
+    summary = compile_model(model, backend=recorder)
+    _, y = _inputs("prenorm-softcap")
     idx = y.clamp(min=0)
-    model(idx, y).loss.backward()
-    assert model.ran["loss"] == "compiled, chunks recomputed" and len(loss_graphs()) <= 2
+    for _ in range(3):
+        model(idx, y).loss.backward()
+    assert len(loss_graphs()) == 1, f"graphs holding the loss: {len(loss_graphs())} of {len(graphs)}"
+    assert summary["loss"] == "compiled" and model.ran["loss"] == "compiled, chunks recomputed"
+    model.eval()
+    with torch.no_grad():
+        model(idx, y)
+        model(idx, y)
+    assert len(loss_graphs()) <= 2
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
