@@ -9,18 +9,21 @@ A valid (unpadded) conv of kernel k over the left-padded input x_BLC, with PyTor
     depthwise (groups = C):   y[t, c]    = b[c]    + sum_{j<k} w[c, 0, j] · x[t + j, c]
     grouped (G groups):       y[t, g, o] = b[g, o] + sum_{j<k} sum_i W[g, o, i, j] · x[t + j, g, i]
 
-The depthwise conv is k shifted multiply-adds (one fused element-wise loop under the compiler); the grouped
-one is one einsum over the k stacked shifts and the I in-channels of each group (a batched GEMM per group,
-contraction I·k). Nothing is transposed to (B, C, T) and back, which is what the cuDNN/depthwise kernels of
-nn.Conv1d need around them on CUDA (nagmoe/model/cca.py chooses: this path inside the compiled graph, the
-Conv1d ops in eager mode, so the CPU eager numbers do not move).
+The depthwise conv is k shifted multiply-adds (one fused element-wise loop under the compiler). The grouped
+one is an einsum over the I in-channels of each group that gives every tap's product for every input token,
+z[l, g, o, j] = sum_i W[g, o, i, j] · x[l, g, i] (a batched GEMM per group, N = O·k), then the shift-sum
+y[t] = b + sum_j z[t + j, j] (another fused loop). Nothing is transposed to (B, C, T) and back, which is what the
+cuDNN/depthwise kernels of nn.Conv1d need around them on CUDA (nagmoe/model/cca.py chooses: this path inside
+the compiled graph, the Conv1d ops in eager mode, so the CPU eager numbers do not move). What the backward
+keeps is what the conv path keeps: the padded input and the depthwise output (shifting before the GEMM, by
+stacking k shifted copies of its input, would keep k copies instead).
 
-The maths is the conv's; the summation order is not (the conv kernels reduce over (i, j) in their own
-order), so the two agree to fp32 rounding (~1e-7 relative), not bitwise.
+The maths is the conv's; the summation order is not (the conv kernels reduce over (i, j) in their own order),
+so the two agree to fp32 rounding (~1e-7 relative), not bitwise.
 
-Autocast: nn.Conv1d runs in the autocast dtype (bf16) and returns it. Here the depthwise sum accumulates in
-the promoted dtype of input and weight (fp32 under autocast, fused, so never stored) and is cast to the dtype
-the conv would return; the einsum is autocast's bmm (bf16 in, bf16 out), the bias added in that dtype.
+Autocast: nn.Conv1d runs in the autocast dtype (bf16) and returns it. Here each shift-sum accumulates in the
+promoted dtype (fp32 under autocast: the fp32 weights and biases, inside the fused loop, never stored) and is
+cast to the dtype the conv would return; the einsum is autocast's bmm (bf16 in, bf16 out).
 """
 from __future__ import annotations
 
@@ -48,14 +51,23 @@ def depthwise_causal_conv(x_BLC: torch.Tensor, weight_C1k: torch.Tensor, bias_C:
 
 def grouped_causal_conv(x_BLC: torch.Tensor, weight_COk: torch.Tensor, bias_C: torch.Tensor,
                         groups: int) -> torch.Tensor:
-    """Conv1d(C, C, k, groups=G) of the (B, L, C) input, no padding: (B, L - k + 1, C). The k shifted windows
-    stacked on a last axis, then y[b,t,g,o] = sum_{i,j} x[b,t+j,g,i] W[g,o,i,j] in one einsum."""
+    """Conv1d(C, C, k, groups=G) of the (B, L, C) input, no padding: (B, L - k + 1, C). One einsum over the
+    in-channels of each group gives every tap's product for every input token, z[b,l,g,o,j] =
+    sum_i W[g,o,i,j] x[b,l,g,i] (a batched GEMM per group, N = O·k); the shift-sum y[t] = b + sum_j z[t + j, j]
+    follows (one fused loop). Shifting after the GEMM keeps the GEMM's input the (B, L, C) tensor itself, the
+    one the backward needs anyway, rather than k stacked shifted copies of it."""
     B, L, C = x_BLC.shape
     k = weight_COk.shape[-1]
     T = L - k + 1
     G = groups
     dtype = conv_dtype(x_BLC, weight_COk)
-    x_BTCk = torch.stack([x_BLC[:, j:j + T] for j in range(k)], dim=-1)
     w_GOIk = weight_COk.view(G, C // G, C // G, k)
-    y_BTGO = torch.einsum("btgik,goik->btgo", x_BTCk.view(B, T, G, C // G, k).to(dtype), w_GOIk.to(dtype))
-    return y_BTGO.reshape(B, T, C) + bias_C.to(dtype)
+    z_BLGOk = torch.einsum("blgi,goik->blgok", x_BLC.view(B, L, G, C // G).to(dtype), w_GOIk.to(dtype))
+    acc = torch.promote_types(dtype, bias_C.dtype)  # fp32 under autocast: the taps summed before rounding
+    y_BTGO = bias_C.to(acc).view(G, C // G) + z_BLGOk[:, :T, ..., 0].to(acc)
+    for j in range(1, k):
+        y_BTGO = y_BTGO + z_BLGOk[:, j:j + T, ..., j].to(acc)
+    # one explicit copy into (B, T, C): the sum's layout follows z's (groups outermost), and with size-1 dims the
+    # tracer's fake tensors and the real kernels can disagree on it (a decoding step, T = 1), so a traced
+    # `reshape` could become a view that fails at run time; the compiler fuses the copy into the sum
+    return y_BTGO.to(dtype).clone(memory_format=torch.contiguous_format).view(B, T, C)
