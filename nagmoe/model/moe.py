@@ -200,6 +200,7 @@ class MoELayer(nn.Module):
         # the expert stacks' compute-dtype copies, recast only after a write (nagmoe/ops/cast_cache.py): a plain
         # attribute, not in the state_dict
         self.weight_casts = WeightCastCache()
+        self.register_forward_pre_hook(_stage_expert_casts, with_kwargs=True)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -271,10 +272,12 @@ class MoELayer(nn.Module):
             return self.dispatcher(self, x_SD, counts_E)
         if not torch.compiler.is_compiling():  # what ran (run_info.json), no sync; in a graph: model.common.recording
             self.ran["experts"] = expert_path(self.backend, x_SD, self.w_in)
-        # the stacks in the experts' dtype: the backends' own `.to(dtype)` is then a no-op
+        # the stacks in the experts' dtype, cast once per weight write (the backends' `.to(dtype)` is then a
+        # no-op); in a compiled unit the copies the pre-hook staged for this call (nagmoe/ops/cast_cache.py)
         dtype = expert_compute_dtype(x_SD)
-        return EXPERT_FORWARD[self.backend](x_SD, self.weight_casts.get("w_in", self.w_in, dtype),
-                                            self.weight_casts.get("w_out", self.w_out, dtype), counts_E)
+        cast = self.weight_casts.staged if torch.compiler.is_compiling() else self.weight_casts.get
+        return EXPERT_FORWARD[self.backend](x_SD, cast("w_in", self.w_in, dtype), cast("w_out", self.w_out, dtype),
+                                            counts_E)
 
     def forward(self, x_BTD: torch.Tensor, rows: Optional[tuple] = None, select=None) -> tuple:
         """`rows` = (row_N, n_rows): each token's row when x_BTD is a flat gather of several rows (MoD's
@@ -445,6 +448,16 @@ class MoELayer(nn.Module):
         kept = keep_S if valid_S1 is None else valid_S1.squeeze(1)
         return (permute_rows(y_SD, unsort_S, order_S).view(S // K, K, D),
                 None if kept is None else kept[unsort_S].view(S // K, K), dropped)
+
+
+def _stage_expert_casts(layer: MoELayer, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: the expert stacks' casts for this call, made outside a compiled unit (which reads them
+    as graph inputs; an activation-checkpoint recompute reads the same ones). Not with an expert-parallel
+    dispatcher (it casts its own slices)."""
+    x = args[0] if args else kwargs.get("x_BTD")
+    layer.weight_casts.staged_casts = None
+    if isinstance(x, torch.Tensor) and layer.dispatcher is None:
+        layer.weight_casts.stage(expert_compute_dtype(x), {"w_in": layer.w_in, "w_out": layer.w_out})
 
 
 class GlobalBalance:

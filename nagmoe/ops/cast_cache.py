@@ -15,8 +15,10 @@ forward and casts the gradient to the parameter's dtype in the backward, which i
 does (`_to_copy`'s backward is a cast of the gradient), so the values are those of the uncached path.
 
 The cache is a plain attribute of the module: not a parameter or buffer, not in the state_dict, dropped by
-copy/pickle. Inside a torch.compile trace it is skipped (`w.to(dtype)` as before, in the graph): a Python
-dict read per call would be guarded on or break the graph.
+copy/pickle. Inside a torch.compile trace `get` is not consulted (its dict and `_version` reads would be guarded
+on or break the graph): the casts are made before the compiled unit, by the module's forward pre-hook, and
+handed in as graph inputs (`stage` outside, `staged` inside; dynamo guards their dtype and shape, not their
+identity, so a new copy after an optimizer step does not recompile). Without a staged copy the graph casts.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class WeightCastCache:
     def __init__(self):
         self._entries: dict = {}  # name -> (weakref to the parameter, key, cast)
         self.casts = 0  # casts made (tests read it)
+        self.staged_casts = None  # (dtype, {name: cast with its gradient node}) of the current call (`stage`)
 
     def get(self, name: str, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if w.dtype == dtype or torch.compiler.is_compiling():
@@ -59,11 +62,23 @@ class WeightCastCache:
             return _CastFrom.apply(w, entry[2])
         return entry[2]
 
+    def stage(self, dtype: torch.dtype, weights: dict) -> None:
+        """Outside a compiled unit, before its call: the casts of `weights` (name -> parameter) for `staged`."""
+        self.staged_casts = (dtype, {name: self.get(name, w, dtype) for name, w in weights.items()})
+
+    def staged(self, name: str, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """In a compiled unit: the copy `stage` made for this call, else the graph's own `w.to(dtype)`."""
+        staged = self.staged_casts
+        if staged is not None and staged[0] == dtype and name in staged[1]:
+            return staged[1][name]
+        return w.to(dtype)
+
     def clear(self) -> None:
         self._entries.clear()
+        self.staged_casts = None
 
     def __getstate__(self):  # copies and pickles start empty (a weakref does not pickle; a cast is cheap)
-        return {"_entries": {}, "casts": 0}
+        return {"_entries": {}, "casts": 0, "staged_casts": None}
 
     def __setstate__(self, state):
         self.__dict__.update(state)

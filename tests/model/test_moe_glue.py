@@ -34,6 +34,7 @@ def uncached(layer):
     """The layer casting its stacks at every use, as the parent did."""
     if hasattr(layer, "weight_casts"):  # (the parent's layer has none: the test then runs on it unchanged)
         layer.weight_casts.get = lambda name, w, dtype: w.to(dtype)
+        layer.weight_casts.stage = lambda dtype, weights: None  # a compiled unit then casts in its graph
     return layer
 
 
@@ -242,3 +243,60 @@ def test_cpu_fp32_path_has_no_cast():
     float_casts = [args[0].shape for _, name, args, _ in ops.ops
                    if name.endswith("_to_copy") and args[0].is_floating_point()]
     assert float_casts == [] and layer.weight_casts.casts == 0
+
+
+def test_compiled_checkpointed_unit_takes_the_staged_casts():
+    """The compiled MoE unit (train.compile, aot_eager: autograd traced as under inductor) with activation
+    checkpointing, bf16 autocast, 2 micro-steps x 3 optimizer steps: the stacks are cast once per optimizer
+    step outside the graph and passed in (a new copy per step does not recompile); losses and gradients equal
+    the graph that casts inside itself (the parent's), bitwise: the same ops on the same bf16 values."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
+
+    from nagmoe.train.speed import compile_model, enable_activation_checkpointing
+
+    torch._dynamo.reset()
+    counters.clear()
+    traced = []
+
+    def backend(gm, inputs):  # dynamo's graphs, then aot_eager
+        traced.append(gm)
+        return torch._dynamo.backends.registry.lookup_backend("aot_eager")(gm, inputs)
+
+    layers = [make_layer(K=2), uncached(make_layer(K=2))]
+    for layer in layers:
+        holder = SimpleNamespace(sublayers=lambda layer=layer: [layer])
+        compile_model(holder, backend=backend), enable_activation_checkpointing(holder)
+    xs = [torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(s)) for s in range(6)]
+    graphs = []
+    for step in range(3):
+        results = []
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+            losses = []
+            for x in xs[2 * step:2 * step + 2]:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y, aux = layer(x)
+                loss = (y.float() ** 2).mean() + aux
+                loss.backward()
+                losses.append(loss.detach())
+            results.append(losses + [p.grad.clone() for p in layer.parameters()])
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p.add_(p.grad, alpha=-0.5)  # an optimizer step: the next one must recast
+        assert all(torch.equal(a, b) for a, b in zip(*results)), step
+        graphs.append(counters["stats"]["unique_graphs"])
+        assert layers[0].weight_casts.casts == 2 * (step + 1)  # once per weight per optimizer step
+    assert graphs[1:] == [graphs[0]] * 2, graphs  # no recompile for a new copy
+
+    def casts_weights(gm):  # a `.to` of a parameter placeholder in the graph
+        return any(n.op in ("call_method", "call_function") and str(n.target).endswith("to")
+                   and any(str(a).endswith(("w_in_", "w_out_")) and "staged" not in str(a) for a in n.args[:1])
+                   for n in gm.graph.nodes)
+
+    def reads_staged(gm):
+        return any(n.op == "placeholder" and "staged_casts" in n.name for n in gm.graph.nodes)
+
+    # two graphs: the parent's (casts inside) and the staged one (no cast inside)
+    assert sorted((casts_weights(gm), reads_staged(gm)) for gm in traced) == [(False, True), (True, False)]
