@@ -104,8 +104,8 @@ def test_long_stacks_are_cut_and_equal_runs_share_one_compiled_step(monkeypatch)
 
 
 def assert_weights_close(params_a, params_b, names, where):
-    """Per matrix (an expert stack is E matrices) |W_b - W_a| / |W_a| within `tolerance`. On the weights, not on the step
-    W' - W: the stacked step applies lr as an fp32 device scalar (the loop: a double cast to fp32 by add_), and
+    """Per matrix (an expert stack is E matrices) |W_b - W_a| / |W_a| within `tolerance`. On the weights, not on
+    the step W' - W: the stacked step applies lr as an fp32 device scalar (the loop: a double cast to fp32 by add_), and
     an update ~1e-3 on weights ~0.2 rounds to the weights' ulp, far above the update's own 1e-6."""
     for name, p, q in zip(names, params_a, params_b):
         wa, wb = p.detach().reshape(-1, *p.shape[-2:]), q.detach().reshape(-1, *p.shape[-2:])
