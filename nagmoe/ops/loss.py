@@ -15,7 +15,7 @@ fp32 logits per micro-step (issue 60).
             what runs whenever `train.compile` is off (the CPU default; `make demo` is unchanged).
   compiled  the same function under `torch.compile(dynamic=None, fullgraph=True)`: the decode's matmul plus
             one fused region for cast, softcap, log-softmax and NLL, and one for their backward (the
-            partitioner saves the matmul output and the log-sum-exp, not every (N, V) intermediate). Attached
+            partitioner saves one (N, V) tensor, the matmul's output, where eager saves 3-4 fp32 ones). Attached
             by `nagmoe.train.speed.compile_model` with the sublayers' compiler backend; all chunks of a step
             share one graph (a short last chunk, or eval/no-grad, adds one).
 

@@ -249,9 +249,10 @@ def receive_worst_bytes(model_cfg, tokens: int, ep: int, bf16: bool) -> int:
 
 
 def kept_logits_bytes(model_cfg, tokens: int, precision: str) -> int:
-    """The fp32 logits a chunked loss keeps for its backward over a micro-batch of `tokens` tokens when it does
-    not recompute its chunks: tokens x vocab x 4 (the compiled chunk saves the decode matmul's output and the
-    log-sum-exp, at most this much). 0 when the loss is one chunk (never recomputed; the probes measure it)."""
+    """The logits a compiled chunked loss keeps for its backward over a micro-batch of `tokens` tokens when it
+    does not recompute its chunks: tokens x vocab x 4 (it saves one (chunk, V) tensor per chunk, the decode
+    matmul's output: fp32, or bf16 under autocast, an upper bound then). 0 when the loss is one chunk (never
+    recomputed; the probes measure it)."""
     from nagmoe.model.transformer import LOSS_CHUNK_ELEMENTS
 
     chunked = precision == "uniform" and tokens > max(1, LOSS_CHUNK_ELEMENTS // model_cfg.vocab_size)
@@ -269,11 +270,17 @@ def plan_loss_recompute(cfg, device_memory_bytes: int, ep: Optional[int] = None,
     """(recompute, log line) for a CUDA trainer's start: `Transformer.loss_recompute` from the memory estimate
     at the trainer's micro-batch (`micro_batch_rows`). `estimate_bytes`: the total of an estimate made ahead for
     this layout with the chunks recomputed (the GPU check's committed one); None estimates here (minutes of
-    host CPU at paper width). Equal losses and gradients either way (tests/perf/test_compiled_loss.py)."""
+    host CPU at paper width). Only the compiled chunk keeps its logits (it saves one (chunk, V) tensor, the
+    decode matmul's output; the eager chunk would save 3-4 fp32 ones: it recomputes, as before). Equal losses and
+    gradients either way (tests/perf/test_compiled_loss.py)."""
+    from nagmoe.train.speed import resolve_compile
+
     tokens = max(1, micro_batch_rows(cfg, world_size)) * cfg.data.seq_len
     kept = kept_logits_bytes(cfg.model, tokens, cfg.train.precision)
     if kept == 0:
         return True, "loss: one chunk per micro-batch, nothing recomputed"
+    if not resolve_compile(cfg.train.compile, "cuda"):
+        return True, "loss: eager chunks (train.compile off), each recomputed in the backward"
     if estimate_bytes is None:
         estimate_bytes = estimate_memory(cfg, ep=ep, micro_batch_tokens=tokens, device="cuda",
                                          world_size=world_size)["total"]

@@ -138,7 +138,8 @@ def test_the_loss_is_one_compiled_graph_and_steps_do_not_recompile():
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_keeping_the_logits_equals_recomputing_them(compiled):
     """No recompute: the same function's outputs are saved instead of remade, so loss and gradients are bitwise
-    equal; the forward then saves each chunk's (CHUNK, V) logits, the recompute saves none."""
+    equal. The recompute saves no logits; keeping saves each chunk's (CHUNK, V) logits, and the compiled chunk
+    no more than the memory estimate counts for them (kept_logits_bytes: tokens x V x 4)."""
     from nagmoe.ops.loss import chunk_cross_entropy
 
     torch._dynamo.reset()
@@ -148,19 +149,22 @@ def test_keeping_the_logits_equals_recomputing_them(compiled):
     lanes, y = _inputs("nag")
     saved = {}
     for recompute in (True, False):
-        largest = [0]  # the most logits one saved tensor holds: (..., V) with CHUNK rows or more
+        logits = {}  # storage -> bytes of every saved (..., V) tensor
 
         def pack(t):
-            largest[0] = max(largest[0], t.numel() if t.is_floating_point() and t.dim() and t.shape[-1] == V else 0)
+            if t.is_floating_point() and t.dim() and t.shape[-1] == V:
+                logits[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             saved[recompute] = _loss_and_grads(model, lanes, y, "mean", model.loss_chunk, recompute)
-        saved[recompute] += (largest[0],)
+        saved[recompute] += (sum(logits.values()),)
     assert (model.loss_chunk is chunk_cross_entropy) != compiled
     for a, b in zip([saved[False][0], *saved[False][1]], [saved[True][0], *saved[True][1]]):
         assert torch.equal(a, b)
-    assert saved[True][2] < CHUNK * V <= saved[False][2]
+    assert saved[True][2] == 0 and saved[False][2] >= B * T * V * 4
+    if compiled:
+        assert saved[False][2] == B * T * V * 4  # one fp32 (CHUNK, V) tensor per chunk: the estimate's count
 
 
 def test_the_estimate_counts_the_kept_logits_and_decides_the_recompute():
@@ -183,6 +187,8 @@ def test_the_estimate_counts_the_kept_logits_and_decides_the_recompute():
     recompute_it, line = memory.plan_loss_recompute(cfg, total + kept - 1, estimate_bytes=total)
     assert recompute_it is True and line.startswith("loss: recompute")
     assert memory.loss_recompute_needed(total, 0, 0) is False  # nothing kept: nothing to recompute
+    eager = _cfg("nag", f"train.batch_tokens={tokens}", "train.precision=uniform", "train.compile=false")
+    assert memory.plan_loss_recompute(eager, 2 ** 50, estimate_bytes=total)[0] is True  # only compiled keeps
 
 
 def test_the_loss_registry_resolves_and_a_missing_compiler_falls_back_with_a_warning(monkeypatch):
