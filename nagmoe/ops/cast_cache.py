@@ -49,8 +49,10 @@ class WeightCastCache:
         self.staged_casts = None  # (dtype, {name: cast with its gradient node}) of the current call (`stage`)
 
     def get(self, name: str, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if w.dtype == dtype or torch.compiler.is_compiling():
-            return w.to(dtype)  # no cast at all (CPU fp32: `.to` returns w) / the graph's own cast
+        if w.dtype == dtype or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+            # no cast at all (CPU fp32: `.to` returns w) / the graph's own cast / an inference tensor, which a
+            # later training forward could not save for its backward: not cached
+            return w.to(dtype)
         key = (w._version, w.data_ptr(), w.device, dtype)
         entry = self._entries.get(name)
         if entry is None or entry[0]() is not w or entry[1] != key:

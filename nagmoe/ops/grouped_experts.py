@@ -133,6 +133,8 @@ def experts_grouped(x_SD: torch.Tensor, w_in_EDH: torch.Tensor, w_out_EHD: torch
         return experts_loop(x_SD, w_in_EDH, w_out_EHD, counts_E)
     offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
     x_SD = x_SD.to(dtype).contiguous()
+    # the weights' `.to(dtype)`: a no-op when MoELayer passes its cached casts (nagmoe/ops/cast_cache.py); a cast
+    # per call for other callers (the expert-parallel dispatcher's local slices)
     h_SH = _ContiguousGrad.apply(torch._grouped_mm(x_SD, w_in_EDH.to(dtype), offs=offs_E))
     a_SH = relu_squared(h_SH)
     return _ContiguousGrad.apply(torch._grouped_mm(a_SH, w_out_EHD.to(dtype), offs=offs_E))

@@ -235,6 +235,17 @@ def test_weights_cast_once_per_write():
     assert "weight_casts" not in str(layer.state_dict().keys())
 
 
+def test_inference_mode_leaves_no_inference_tensor_in_the_cache():
+    """A cast made under inference_mode is an inference tensor, which a training forward cannot save for its
+    backward: such a cast is not cached (the next training step runs and equals the uncached path)."""
+    layer = make_layer(K=2)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(2, 8, 32))
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(4))
+    got, want = run(layer, x, torch.bfloat16), run(uncached(copy.deepcopy(layer)), x, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_cpu_fp32_path_has_no_cast():
     """CPU fp32 (the demo): `.to(fp32)` was a no-op and stays one: no cast, nothing cached."""
     layer = make_layer(K=2)
