@@ -27,8 +27,8 @@ import time
 
 from gpu_check_common import SectionFailed
 from gpu_check_configs import PAPER, WARMUP_STEPS, overrides, paper_config
-from gpu_check_train import (compiles, data_dir, device_info, fresh_dir, free_memory, memory_estimate, one_step,
-                             sync, with_eager_fallback)
+from gpu_check_train import (ahead_estimate, data_dir, device_info, fresh_dir, free_memory, memory_estimate,
+                             one_step, sync, with_eager_fallback)
 
 KEY = "nag_mod20"
 RATES = (0.0, 0.2, 0.5)
@@ -329,11 +329,8 @@ def measure(ctx, cfg, run_dir: str, device) -> dict:
     is left of the section's limit is skipped and said so, and a section killed at its limit keeps the rest."""
     from nagmoe.train.trainer import Trainer
 
-    eager_cuda = device.type == "cuda" and not compiles(cfg, device)
-    ahead = None
-    if eager_cuda:  # the trainer's memory refusal on the committed estimate (as the training sections)
-        est = memory_estimate(KEY, cfg, device)
-        ahead = est.get("bytes") or est.get("bytes_when_computed") or 0
+    # CUDA: the committed estimate for the trainer's memory refusal or the loss's plan (as the training sections)
+    ahead = ahead_estimate(memory_estimate(KEY, cfg, device), cfg, device) if device.type == "cuda" else None
     free_memory()
     trainer = Trainer(cfg, run_dir, eager_memory_estimate=ahead)
     try:

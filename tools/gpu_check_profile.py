@@ -5,7 +5,8 @@ The first GPU run put baseline-r40 and nag-r40 at MFU 0.14 against the H200's 98
 Per config of CONFIGS, through the real `Trainer` (compiled as the training sections, whose inductor caches this
 section reuses) at PAPER_TOKENS tokens per optimizer step (131,072 per GPU, the paper's: configs/paper/base.yaml),
 and per variant of VARIANTS (`after`: today's defaults; `before`: the switches that restore the code before issue
-60, where one exists):
+60: Muon one matrix at a time (`train.muon_impl=loop`), the metrics read before the optimizer step, the eager loss
+chunk recomputed in the backward, CCA's convolutions as nn.Conv1d in the compiled unit; `restore_before`):
   * WARM steps, then TIMED steps timed with CUDA events (perf_counter on the CPU): the step, each micro-step's
     forward + backward (gpu_check_mod.MicroSteps) and the optimizer's step apart (events around
     `trainer.optim.step`, the bundle's instance attribute for this section only);
@@ -27,16 +28,36 @@ import time
 from gpu_check_configs import PAPER, SIZES, paper_config
 from gpu_check_common import load
 from gpu_check_mod import MicroSteps
-from gpu_check_train import compiles, data_dir, device_info, fresh_dir, free_memory, memory_estimate, sync, \
-    with_eager_fallback
+from gpu_check_train import (ahead_estimate, data_dir, device_info, fresh_dir, free_memory, memory_estimate, sync,
+                             with_eager_fallback)
 from step_profile import profile_step
 
 CONFIGS = ("baseline", "nag")
 PAPER_TOKENS = {"gpu": 131072, "cpu": SIZES["cpu"]["batch_tokens"]}  # CPU: the rehearsal at its training size
 WARM = {"gpu": 3, "cpu": 1}
 TIMED = {"gpu": 3, "cpu": 1}
-# the switches that give the code before issue 60 (empty: no switch, the variant is not run)
-VARIANTS = {"after": [], "before": []}
+# per variant: config overrides, then `restore_before` for the runtime switches (module docstring)
+VARIANTS = {"after": [], "before": ["train.muon_impl=loop"]}
+
+
+# what answers first: both configs as they now run, then NAG's before (the paper's model), then the baseline's
+ORDER = (("baseline", "after"), ("nag", "after"), ("nag", "before"), ("baseline", "before"))
+
+
+def restore_before(trainer) -> list[str]:
+    """The switches of the code before issue 60 that are not config keys, set on a built trainer: the metrics read
+    before the optimizer step, the eager loss chunk recomputed in the backward, CCA's nn.Conv1d path inside the
+    compiled unit. Not switchable (bitwise the same maths, no switch kept): the MoE glue (the permutation's gathers,
+    the weight casts once per write); the `before` profile has them as after. Returns what it set."""
+    from nagmoe.ops.loss import chunk_cross_entropy
+
+    trainer.metrics_read_after = False
+    trainer.model.loss_chunk, trainer.model.loss_recompute = chunk_cross_entropy, True
+    convs = 0
+    for sub in trainer.model.sublayers():
+        if hasattr(sub, "conv_impl"):
+            sub.conv_impl, convs = "conv", convs + 1
+    return ["metrics read before the step", "eager loss chunk, recomputed", f"CCA conv_impl=conv ({convs} layers)"]
 
 
 class OptimizerTimer:
@@ -79,14 +100,13 @@ def measure(ctx, key: str, variant: str, cfg, run_dir: str, device, peak) -> dic
     from nagmoe.flops import flops_per_token
     from nagmoe.train.trainer import Trainer
 
-    ahead = None
-    if device.type == "cuda" and not compiles(cfg, device):  # the trainer's eager memory refusal
-        est = memory_estimate(key, cfg, device)
-        ahead = est.get("bytes") or est.get("bytes_when_computed") or 0
+    # CUDA: the committed estimate for the trainer's memory refusal or the loss's plan (as the training sections)
+    ahead = ahead_estimate(memory_estimate(key, cfg, device), cfg, device) if device.type == "cuda" else None
     free_memory()
     trainer = Trainer(cfg, run_dir, eager_memory_estimate=ahead)
     cuda = device.type == "cuda"
     try:
+        restored = restore_before(trainer) if variant == "before" else []
         for _ in range(WARM[ctx.mode]):
             trainer.train_step()
         sync(device)
@@ -112,7 +132,7 @@ def measure(ctx, key: str, variant: str, cfg, run_dir: str, device, peak) -> dic
         bt, T = cfg.train.batch_tokens, cfg.data.seq_len
         fpt = flops_per_token(cfg.model, T, None, "matmul")
         achieved = fpt * bt / step_s
-        out = {"batch_tokens": bt, "grad_accum": trainer.accum, "backends": trainer.backends,
+        out = {"batch_tokens": bt, "grad_accum": trainer.accum, "backends": trainer.backends, "restored": restored,
                "step_s": step_s, "step_s_all": steps, "micro_step_s": statistics.median(micro_s),
                "forward_backward_s": statistics.median(micro_s) * trainer.accum,
                "optimizer_s": statistics.median(optim_s) if optim_s else None, "tokens_per_s": bt / step_s,
@@ -134,30 +154,28 @@ def section_profile(ctx) -> dict:
     sections = load(ctx.out)["sections"]
     result = {"device": name, "torch": torch.__version__, "datasheet_peak_flops": peak,
               "paper_tokens_per_step": PAPER_TOKENS[ctx.mode], "configs": {}}
+    for key in CONFIGS:
+        entry = result["configs"].setdefault(key, {"config": f"configs/paper/{PAPER[key]}.yaml"})
+        today = ((sections.get(f"train_{key}") or {}).get("result") or {}).get("mfu_vs_datasheet")
+        entry["mfu_today"] = today  # the training section's, at its 65,536 tokens a step
     last = 0.0
-    for variant, switches in VARIANTS.items():
-        for key in CONFIGS:
-            entry = result["configs"].setdefault(key, {"config": f"configs/paper/{PAPER[key]}.yaml"})
-            today = ((sections.get(f"train_{key}") or {}).get("result") or {}).get("mfu_vs_datasheet")
-            entry["mfu_today"] = today  # the training section's, at its 65,536 tokens a step
-            if variant != "after" and not switches:
-                entry[variant] = {"skipped": "no switch restores the code before issue 60 for this variant"}
-                continue
-            left = ctx.seconds_left()
-            if left is not None and left < 1.2 * last + 2:
-                entry[variant] = {"skipped": f"{left:.0f} s left of the limit, the last variant took {last:.0f} s"}
-                continue
-            extra = [f"train.batch_tokens={PAPER_TOKENS[ctx.mode]}", *switches]
+    for key, variant in ORDER:
+        entry = result["configs"][key]
+        left = ctx.seconds_left()
+        if left is not None and left < 1.2 * last + 2:
+            entry[variant] = {"skipped": f"{left:.0f} s left of the limit, the last variant took {last:.0f} s"}
+            continue
+        extra = [f"train.batch_tokens={PAPER_TOKENS[ctx.mode]}", *VARIANTS[variant]]
 
-            def cfg_for(more, key=key, extra=extra):
-                return paper_config(key, ctx.mode, data_dir(ctx), [*extra, *more])
+        def cfg_for(more, key=key, extra=extra):
+            return paper_config(key, ctx.mode, data_dir(ctx), [*extra, *more])
 
-            t0 = time.perf_counter()
-            entry[variant] = with_eager_fallback(ctx, cfg_for, lambda more, suffix, key=key, variant=variant: measure(
-                ctx, key, variant, cfg_for(more), fresh_dir(ctx, f"profile_{key}_{variant}{suffix}"), device, peak),
-                device)
-            last = entry[variant]["seconds"] = time.perf_counter() - t0
-            ctx.partial(result)
+        t0 = time.perf_counter()
+        entry[variant] = with_eager_fallback(ctx, cfg_for, lambda more, suffix, key=key, variant=variant: measure(
+            ctx, key, variant, cfg_for(more), fresh_dir(ctx, f"profile_{key}_{variant}{suffix}"), device, peak),
+            device)
+        last = entry[variant]["seconds"] = time.perf_counter() - t0
+        ctx.partial(result)
     print("profile: " + summary_line(result), flush=True)
     return result
 

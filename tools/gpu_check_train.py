@@ -264,6 +264,15 @@ def memory_estimate(key: str, cfg, device) -> dict:
     return {"source": "computed here", "bytes": est["total"], "cuda_rules": est["layout"]["cuda_rules"]}
 
 
+def ahead_estimate(estimate: dict, cfg, device):
+    """The Trainer's `eager_memory_estimate` from the committed estimate, on CUDA: eager, its memory refusal (0 when
+    there is none: unchecked); compiled, the loss's keep-or-recompute plan (None when there is none: the trainer
+    estimates, a minute of host CPU)."""
+    if device.type != "cuda":
+        return None
+    return estimate.get("bytes") or estimate.get("bytes_when_computed") or (None if compiles(cfg, device) else 0)
+
+
 def train_config(ctx, key: str, cfg, run_dir: str, s: dict, device, peak) -> dict:
     """Trains `cfg` s["steps"] steps one `train_step` at a time; after each step the rows so far go into bench.json
     (`ctx.partial`), so a section killed at its limit keeps the compile time and every step it timed."""
@@ -276,9 +285,7 @@ def train_config(ctx, key: str, cfg, run_dir: str, s: dict, device, peak) -> dic
     estimate = memory_estimate(key, cfg, device)
     free_memory()
     before = torch.cuda.memory_allocated() if device.type == "cuda" else None  # what an earlier config left
-    eager_cuda = device.type == "cuda" and not compiles(cfg, device)
-    # eager on CUDA: the trainer's memory refusal takes the committed estimate (0 when there is none: unchecked)
-    ahead = (estimate.get("bytes") or estimate.get("bytes_when_computed") or 0) if eager_cuda else None
+    ahead = ahead_estimate(estimate, cfg, device)
     trainer = Trainer(cfg, run_dir, eager_memory_estimate=ahead)  # not quiet: device, backends, accumulation logged
     rows, syncs, sites, dynamo0 = [], None, None, dynamo_counts()
     contracts = None  # compiled: the kernels (and their meta functions in the trace) check for themselves

@@ -63,7 +63,7 @@ from nagmoe.rundir.info import update_run_info, write_summary
 from nagmoe.train.backends_ran import collect as collect_backends_ran, merge as merge_backends_ran
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
 from nagmoe.train.checkpoint_schedule import CheckpointSchedule, save_error
-from nagmoe.train.memory import eager_memory_refusal, micro_batch_rows
+from nagmoe.train.memory import eager_memory_refusal, micro_batch_rows, plan_loss_recompute
 from nagmoe.train.progress_log import ProgressLog
 from nagmoe.train.speed import compile_model, enable_activation_checkpointing, resolve_compile, sdpa_backends
 
@@ -112,8 +112,9 @@ class Trainer:
         """`mesh`: the distributed layout (nagmoe.parallel.mesh.ParallelMesh). Without one: the initialised
         process group's layout when there is one and `world_size` is left at 1, else `rank`/`world_size`.
         The three permissions are `nagmoe train`'s flags of the same names (nagmoe/rundir/permissions.py).
-        `eager_memory_estimate`: bytes per rank of a memory estimate made ahead for this layout, for the refusal
-        of an eager CUDA layout that cannot fit (None: estimated here, minutes of CPU at paper width)."""
+        `eager_memory_estimate`: bytes per rank of a memory estimate made ahead for this layout (the eager upper
+        bound), for the refusal of an eager CUDA layout that cannot fit and, compiled on CUDA, the loss's choice to
+        keep its chunks' logits (None: estimated here, up to a minute of CPU at paper width)."""
         check_start_settings()  # every NAGMOE_* setting and job variable: one line now, not hours in
         check_export_available(cfg)  # train.export_hf_at_end needs the hf extra: say so before training
         self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
@@ -175,6 +176,11 @@ class Trainer:
             if t.activation_checkpointing:  # nagmoe/train/speed.py
                 enable_activation_checkpointing(self.model)
             compiled = compile_model(self.model) if self.compiled else None  # nagmoe/train/speed.py
+            if compiled and self.device.type == "cuda":  # issue 60: keep the loss chunks' logits where they fit
+                self.model.loss_recompute, loss_plan = plan_loss_recompute(
+                    cfg, torch.cuda.get_device_properties(self.device).total_memory, mesh.ep, world_size,
+                    eager_memory_estimate)
+                self._log(loss_plan)
             self.expert_params = named_params(self.model, self.expert_names)
             self.shard_plan = expert_shard_plan(mesh, self.expert_names)
             # parallel.engine=deepspeed: ZeRO for the replicated parameters, our EP and AdamW for the experts
@@ -219,6 +225,8 @@ class Trainer:
             self.backends = resolved_backends(self.model)
             self.backends["compile"] = (f"{compiled['unit']}s ({', '.join(compiled['classes'])}), {compiled['backend']}"
                                         if compiled else "off")
+            self.backends["loss"] = (f"{compiled['loss'] if compiled else 'eager'}, "
+                                     f"{'chunks recomputed' if self.model.loss_recompute else 'logits kept'}")
             if any(v in ("sdpa", "flash") for k, v in self.backends.items() if k.endswith("Attention.impl")):
                 self.backends["sdpa"] = sdpa_backends(self.device.type)
             self.backends["precision"] = t.precision + (", tf32" if torch.backends.cuda.matmul.allow_tf32 and

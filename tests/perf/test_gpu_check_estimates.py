@@ -113,14 +113,14 @@ def test_the_gpu_sections_fit_the_budget():
     limits = dict(re.findall(r"(\w+):(\d+)", gpu.split("SECTIONS=(", 1)[1].split(")", 1)[0]))
     # issue 52: a bounded script time, so the call and a rerun of the sections that failed fit a 15-minute lease
     # (docs/benchmarks.md: the evidence behind each limit); the answers only a GPU gives first, the install last
-    assert budget == 560 < 10 * 60 and sum(map(int, limits.values())) <= budget, limits
+    assert budget == 590 < 10 * 60 and sum(map(int, limits.values())) <= budget, limits
     assert list(limits) == ["env", "data", "train_nag", "train_baseline", "train_nag_mod20", "mod_speed", "profile",
                             "resume", "tests", "dcp", "install"]  # each training config its own process
     assert sum(map(int, limits.values())) == budget and limits["mod_speed"] == "80"  # issue 59's section
-    assert limits["profile"] == "90"  # issue 60's section
+    assert limits["profile"] == "120"  # issue 60's section
     cpu = script.split("if [[ $MODE == cpu ]]; then\n", 1)[1].split("\nelse\n", 1)[0]
     cpu_limits = dict(re.findall(r"(\w+):(\d+)", cpu.split("SECTIONS=(", 1)[1].split(")", 1)[0]))
-    assert sum(map(int, cpu_limits.values())) == 230 and "mod_block" not in cpu_limits  # mod_block: by name only
+    assert sum(map(int, cpu_limits.values())) == 245 and "mod_block" not in cpu_limits  # mod_block: by name only
     assert re.search(r"ON_REQUEST=\(mod_block:\d+\)", cpu) and re.search(r"ON_REQUEST=\(mod_block:\d+\)", gpu)
 
 
