@@ -26,7 +26,11 @@ Pipeline of one forward call:
               masked with torch.where; losses and statistics count the executed tokens (`_slots_live`).
   4. combine  unpermute the slots back to (N, K, D) and sum with the gate weights,
               y_ND = Σ_k gate_NK · y_NKD. A permutation + sum over K instead of index_add: no colliding
-              scatter, so CUDA runs are deterministic too.
+              scatter, so CUDA runs are deterministic too. Both permutations (dispatch, unsort) are gathers whose
+              backward is a gather by the inverse permutation (nagmoe/ops/permute.py): no index_put into a
+              zero-filled buffer either way.
+  The expert stacks reach the experts in their compute dtype cast once per weight write, not per micro-step
+  or recompute (`weight_casts`, nagmoe/ops/cast_cache.py; a compiled unit gets them from the pre-hook).
 """
 from __future__ import annotations
 
