@@ -8,7 +8,10 @@ keeps the cast per parameter, keyed by what a write changes:
 
 `_version` is bumped by every in-place write through the parameter or a view of it (the optimizer's `add_`,
 `load_state_dict`'s `copy_`, an in-place init, `keep_experts`' new Parameter changes the identity); a storage
-swap changes `data_ptr`. A write through `.data` is invisible to `_version`: nothing in nagmoe writes that way.
+swap changes `data_ptr`. A write through `.data` or through another tensor on the same storage is invisible to
+`_version`: nothing in nagmoe writes a parameter that way, but an engine that flattens parameters into one buffer
+and writes the buffer (DeepSpeed ZeRO-1/2's groups, FSDP's flat parameters) does; a parameter that does not own
+its whole storage is therefore never cached (cast at every use, as before).
 
 Gradients still reach the fp32 parameter on every micro-step: `_CastFrom` returns the cached copy in the
 forward and casts the gradient to the parameter's dtype in the backward, which is what `.to`'s own backward
@@ -49,9 +52,11 @@ class WeightCastCache:
         self.staged_casts = None  # (dtype, {name: cast with its gradient node}) of the current call (`stage`)
 
     def get(self, name: str, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if w.dtype == dtype or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        if (w.dtype == dtype or torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+                or w.untyped_storage().nbytes() != w.numel() * w.element_size()):
             # no cast at all (CPU fp32: `.to` returns w) / the graph's own cast / an inference tensor, which a
-            # later training forward could not save for its backward: not cached
+            # later training forward could not save for its backward / a view into a flat buffer, which its
+            # owner writes without this parameter's `_version` (module docstring): not cached
             return w.to(dtype)
         key = (w._version, w.data_ptr(), w.device, dtype)
         entry = self._entries.get(name)

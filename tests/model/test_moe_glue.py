@@ -246,6 +246,22 @@ def test_inference_mode_leaves_no_inference_tensor_in_the_cache():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def test_a_parameter_in_a_flat_buffer_is_not_cached():
+    """DeepSpeed ZeRO-1/2 (and FSDP) make parameters views into one flat buffer and write the buffer, which does
+    not bump the parameter's `_version`: such a parameter is cast at every use, so a write is always seen."""
+    layer, twin = make_layer(K=2), make_layer(K=2)
+    flat = torch.cat([layer.w_in.detach().reshape(-1), layer.w_out.detach().reshape(-1)])
+    layer.w_in.data = flat[:layer.w_in.numel()].view_as(layer.w_in)
+    layer.w_out.data = flat[layer.w_in.numel():].view_as(layer.w_out)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(4))
+    run(layer, x, torch.bfloat16)
+    flat.mul_(0.5)  # the engine's update, through the buffer
+    twin.load_state_dict(layer.state_dict())
+    got, want = run(layer, x, torch.bfloat16), run(uncached(twin), x, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert layer.weight_casts.casts == 0
+
+
 def test_cpu_fp32_path_has_no_cast():
     """CPU fp32 (the demo): `.to(fp32)` was a no-op and stays one: no cast, nothing cached."""
     layer = make_layer(K=2)
