@@ -246,6 +246,31 @@ def test_inference_mode_leaves_no_inference_tensor_in_the_cache():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_fused_optimizer_step_is_seen(accum):
+    """torch's fused AdamW writes the parameters without bumping `_version`: the cast still follows it, because the
+    trainer's zero_grad(set_to_none=True) after the step empties a `.grad` that a gradient was sent to."""
+    layer = make_layer(K=2)
+    twin = uncached(copy.deepcopy(layer))
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.05, fused=True) for m in (layer, twin)]
+    version = layer.w_in._version
+    for step in range(3):
+        for m, opt in zip((layer, twin), opts):
+            for i in range(accum):
+                x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(10 * step + i))
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y, aux = m(x)
+                ((y.float() ** 2).mean() + aux).backward()
+            if m is layer:
+                grads = [p.grad.clone() for p in m.parameters()]
+            else:
+                assert all(torch.equal(a, p.grad) for a, p in zip(grads, m.parameters())), step
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert layer.w_in._version == version  # the kernel's writes are invisible to _version
+    assert layer.weight_casts.casts == 2 * 3  # once per weight per optimizer step
+
+
 def test_a_parameter_in_a_flat_buffer_is_not_cached():
     """DeepSpeed ZeRO-1/2 (and FSDP) make parameters views into one flat buffer and write the buffer, which does
     not bump the parameter's `_version`: such a parameter is cast at every use, so a write is always seen."""
