@@ -151,6 +151,8 @@ class Trainer:
 
         self._check_data()
         self.routing = RouterAccounting()  # per step, per log interval, the expert bias's update
+        # the metrics read after the optimizer step (issue 60, `_train_step`): None = on CUDA; True / False forces
+        self.metrics_read_after: Optional[bool] = None
         self.rundir = TrainerRunDir(run_dir, mesh, self._log)  # the order of every read and write: its docstring
         self.rundir.take_lease(take_over)
         try:
@@ -398,9 +400,7 @@ class Trainer:
         # metrics, the guard decided on the device (ok: the same test as is_nonfinite, in float64), the step
         # applied only where ok (OptimizerBundle.step). Default on CUDA; the CPU (synchronous anyway) keeps
         # the read before the step, its numerics unchanged; `metrics_read_after` (True / False) forces either.
-        read_after = getattr(self, "metrics_read_after", None)
-        if read_after is None:
-            read_after = self.device.type == "cuda"
+        read_after = self.device.type == "cuda" if self.metrics_read_after is None else self.metrics_read_after
         read_after = read_after and self.engine is None and self.optim.device_guard
         ok = None
         if read_after:
