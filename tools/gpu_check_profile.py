@@ -60,8 +60,10 @@ def restore_before(trainer) -> list[str]:
     return ["metrics read before the step", "eager loss chunk, recomputed", f"CCA conv_impl=conv ({convs} layers)"]
 
 
-class OptimizerTimer:
-    """Events (CUDA) or perf_counter (CPU) around each `trainer.optim.step()`: the optimizer's time apart."""
+class OptimizerTimer(MicroSteps):
+    """Events (CUDA) or perf_counter (CPU) around each `trainer.optim.step(...)`: the optimizer's time apart (the
+    marks and `take` of MicroSteps; the bundle's step wrapped as an instance attribute, arguments passed on: the
+    device-guarded step's `ok=`)."""
 
     def __init__(self, trainer):
         import torch
@@ -69,26 +71,13 @@ class OptimizerTimer:
         self.torch, self.cuda, self.marks = torch, trainer.device.type == "cuda", []
         self.bundle, inner = trainer.optim, trainer.optim.step
 
-        def step():
-            a = self._mark()
-            inner()
-            self.marks.append((a, self._mark()))
+        def step(*args, **kwargs):
+            pair = [self._mark(), None]
+            inner(*args, **kwargs)
+            pair[1] = self._mark()
+            self.marks.append(pair)
 
         self.bundle.step = step
-
-    def _mark(self):
-        if self.cuda:
-            e = self.torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def take(self) -> list[float]:
-        if self.cuda:
-            self.torch.cuda.synchronize()
-        out = [a.elapsed_time(b) / 1e3 if self.cuda else b - a for a, b in self.marks]
-        self.marks = []
-        return out
 
     def close(self) -> None:
         del self.bundle.step  # the class's method again

@@ -68,3 +68,28 @@ def test_regions_partition_the_step_and_find_the_backward(micro_config, tmp_path
         assert r[name]["launches"] > 2 * forward[name]["launches"] > 0, (name, r[name], forward[name])
     assert r["moe_gemm"]["launches"] == 2 * 3 * 2 * trainer.cfg.model.n_layers  # 2 GEMMs, forward + 2 grads each
     assert step_profile.format_table(table).count("\n") == len(step_profile.REGIONS) + 2
+
+
+@pytest.mark.parametrize("read_after", [False, True])
+def test_the_profile_sections_optimizer_timer_passes_the_guard_on(micro_config, tmp_path, read_after):
+    """gpu_check_profile.OptimizerTimer wraps the bundle's step: the device-guarded step (`ok=`, the CUDA default,
+    forced here) goes through it, each step is timed once, and closing it leaves the bundle's own method."""
+    from gpu_check_profile import OptimizerTimer
+
+    from nagmoe.train.trainer import Trainer
+
+    trainer = Trainer(micro_config("train.batch_tokens=256", "train.micro_batch_tokens=128"), str(tmp_path / "run"),
+                      quiet=True)
+    trainer.metrics_read_after = read_after
+    try:
+        timer = OptimizerTimer(trainer)
+        try:
+            trainer.train_step()
+            trainer.train_step()
+            times = timer.take()
+        finally:
+            timer.close()
+        assert len(times) == 2 and all(t > 0 for t in times)
+        assert "step" not in vars(trainer.optim)  # the class's method again
+    finally:
+        trainer.release_lease()
