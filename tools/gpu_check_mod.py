@@ -99,16 +99,19 @@ class MicroSteps:
 # ----------------------------------------------------------------------------------------------------------
 class SublayerRegions:
     """A torch.profiler.record_function region around each call of a MoD-eligible sublayer (forward hooks of this
-    tool: nothing in the model changes), named by the sublayer's class; `skippable_shares` links their backward."""
+    tool: nothing in the model changes), named by the sublayer's class; `skippable_shares` links their backward.
+    `eligible` (one flag per sublayer, default all) picks the sublayers, `name_of(sublayer)` names their regions
+    (tools/step_profile.py names them by role)."""
 
-    def __init__(self, model, eligible):
+    def __init__(self, model, eligible=None, name_of=None):
         from torch.profiler import record_function
 
         self.handles, self.open = [], {}
-        for sub, ok in zip(model.sublayers(), eligible):
+        subs = list(model.sublayers())
+        for sub, ok in zip(subs, eligible if eligible is not None else [True] * len(subs)):
             if not ok:
                 continue
-            name = REGION + type(sub).__name__
+            name = name_of(sub) if name_of is not None else REGION + type(sub).__name__
 
             def enter(module, args, name=name):
                 region = record_function(name)

@@ -38,7 +38,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_check_mod import BACKWARD, _inside, _spans  # noqa: E402  (the forward/backward linking rule)
+from gpu_check_mod import BACKWARD, SublayerRegions, _inside, _spans  # noqa: E402  (the forward/backward linking rule)
 
 PREFIX = "step_profile."
 REGIONS = ("attention", "moe_gemm", "moe_glue", "ffn", "loss", "optimizer", "stream", "other")
@@ -52,20 +52,17 @@ def sublayer_region(module) -> str:
     return "moe" if name == "MoELayer" else "ffn"
 
 
-class Regions:
-    """The tool's `record_function` spans: around every sublayer call (forward hooks) and around the loss
-    (the module-level loss function of nagmoe.model.transformer, wrapped for the profiled step only)."""
+class Regions(SublayerRegions):
+    """The tool's `record_function` spans: around every sublayer call (gpu_check_mod's forward hooks, named by
+    role) and around the loss (the module-level loss function of nagmoe.model.transformer, wrapped for the
+    profiled step only)."""
 
     def __init__(self, model):
         from torch.profiler import record_function
 
         import nagmoe.model.transformer as transformer
 
-        self.record_function, self.handles, self.open = record_function, [], {}
-        for sub in model.sublayers():
-            name = PREFIX + sublayer_region(sub)
-            self.handles += [sub.register_forward_pre_hook(lambda m, a, name=name: self._enter(m, name)),
-                             sub.register_forward_hook(lambda m, a, o: self._leave(m))]
+        super().__init__(model, name_of=lambda sub: PREFIX + sublayer_region(sub))
         self.transformer, self.loss_fn = transformer, getattr(transformer, "chunked_loss", None)
         if self.loss_fn is not None:
             inner = self.loss_fn
@@ -76,17 +73,8 @@ class Regions:
 
             transformer.chunked_loss = loss
 
-    def _enter(self, module, name):
-        span = self.record_function(name)
-        span.__enter__()
-        self.open.setdefault(id(module), []).append(span)
-
-    def _leave(self, module):
-        self.open[id(module)].pop().__exit__(None, None, None)
-
     def close(self):
-        for h in self.handles:
-            h.remove()
+        super().close()
         if self.loss_fn is not None:
             self.transformer.chunked_loss = self.loss_fn
 
