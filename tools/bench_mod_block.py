@@ -53,11 +53,18 @@ KINDS = (("experts", ("_grouped_mm",)), ("scores", ("scaled_dot_product", "softm
                               "sum", "mean", "clamp", "atan", "tanh", "relu", "square")))
 
 
+# mallopt takes an int: the largest threshold it can set. At 16 rows full depth's expert hidden tensors are
+# 1 GiB exactly (131,072 slots x 2048 x 4 bytes); with a 1 GiB threshold they were fresh mmaps faulting in
+# 262,144 pages every step while MoD's 0.8 GiB ones were reused, a bias towards MoD.
+MALLOC_MAX = 2 ** 31 - 1
+
+
 def use_caching_allocator() -> bool:
     """Make glibc keep freed memory for reuse, as CUDA's caching allocator does: no mmap per large tensor
-    (M_MMAP_THRESHOLD 1 GiB) and no trimming (M_TRIM_THRESHOLD 2 GiB). Without it every activation of more than
-    32 MB is a fresh mmap whose pages fault in (zeroed) on first touch: at r40 shape ~20% of a CPU step, and the
-    largest source of step-to-step noise. False where the C library has no mallopt (not glibc)."""
+    (M_MMAP_THRESHOLD and M_TRIM_THRESHOLD at mallopt's largest value, 2 GiB). Without it every activation of
+    more than 32 MB is a fresh mmap whose pages fault in (zeroed) on first touch: at r40 shape ~20% of a CPU
+    step, and the largest source of step-to-step noise (`minor_faults_per_step` in the result shows what is
+    left). False where the C library has no mallopt (not glibc)."""
     import ctypes
     import ctypes.util
 
@@ -67,7 +74,7 @@ def use_caching_allocator() -> bool:
     except (OSError, AttributeError):
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    return bool(mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 31))
+    return bool(mallopt(M_MMAP_THRESHOLD, MALLOC_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, MALLOC_MAX))
 
 
 def build_block(overrides=(), seed: int = 0, device: str = "cpu"):
@@ -136,6 +143,15 @@ def executed_fractions(model, state) -> list:
         out = cal.inference_fractions()
         cal.train()
     return out
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (0 where `resource` is missing: not POSIX)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def step_seconds(model, state, probe, amp=nullcontext) -> tuple[float, float]:
@@ -244,6 +260,7 @@ def _bench_block(cfg, model, precision, rows, repeats, rates, smoke, profile, pr
         padded[r] = [float(executed_B.max()) / T if r > 0 else 1.0, fractions[r][1]]
     cpu = {r: [] for r in variants}
     wall = {r: [] for r in variants}
+    page_faults = {r: [] for r in variants}  # minor page faults of every timed step (none: memory reused)
     order = list(variants)
     for rep in range(repeats + 1):  # the first round warms up
         best = {r: (float("inf"), float("inf")) for r in variants}
@@ -253,7 +270,10 @@ def _bench_block(cfg, model, precision, rows, repeats, rates, smoke, profile, pr
         for _ in range(inner):
             for r in order[rep % len(order):] + order[:rep % len(order)]:
                 use_thresholds(model, thresholds[r], r > 0)
+                faults = minor_faults()
                 best[r] = min(best[r], step_seconds(model, state, probe, amp))
+                if rep:
+                    page_faults[r].append(minor_faults() - faults)
         if rep:
             for r in variants:
                 cpu[r].append(best[r][0])
@@ -293,6 +313,7 @@ def _bench_block(cfg, model, precision, rows, repeats, rates, smoke, profile, pr
               "timing": "synchronised wall clock" if device == "cuda" else "process CPU time",
               "full_cpu_s_median": statistics.median(cpu[0.0]),
               "full_cpu_s_range": [min(cpu[0.0]), max(cpu[0.0])], "rates": out_rates,
+              "minor_faults_per_step": {f"{r:g}": statistics.mean(page_faults[r]) for r in variants},
               "time_vs_charged_flops": fixed_time_fit(fit_points),
               "backends_ran": collect_backends_ran(model)}  # the kernels the timed steps ran, fallbacks named
     if profile:

@@ -23,6 +23,9 @@ def test_block_benchmark_smoke_reports_every_field(tmp_path):
     assert result["compile"] == "off" and result["expert_backend"] == "grouped"
     assert result["backends_ran"]["experts"] == {"grouped": 1} and "fallbacks" not in result["backends_ran"]
     assert result["allocator"] == "caching" and result["timing"] == "process CPU time"  # glibc: mallopt took
+    # every variant's timed steps counted their page faults (a fresh mmap per step would show here)
+    assert set(result["minor_faults_per_step"]) == {"0", "0.2"}
+    assert all(f >= 0 for f in result["minor_faults_per_step"].values())
     assert result["nag_impl"] == "eager"  # the smoke skips inductor's compile; full runs measure `compiled`
     (row,) = result["rates"]
     assert row["skip_rate"] == 0.2
@@ -42,6 +45,23 @@ def test_block_benchmark_smoke_reports_every_field(tmp_path):
     kinds = {"experts", "scores", "projections", "gather/scatter", "masks", "NAG elementwise", "other"}
     assert set(result["profile_s_per_step"]) == {"skip 0%", "skip 20%"}
     assert all(set(t) == kinds for t in result["profile_s_per_step"].values())
+
+
+def test_caching_allocator_keeps_a_one_gib_tensor_in_the_heap():
+    """At 16 rows per step full depth's expert hidden tensors are 1 GiB exactly. With glibc's mmap threshold at
+    1 GiB (the tool before) each was a fresh mmap, unmapped when freed, faulting in its 262,144 pages every step
+    while MoD's smaller ones came from the heap: a bias towards MoD. The tool's setting must put a 1 GiB
+    tensor in the heap (below the program break), where freed memory stays mapped for the next step. In a child
+    process: mallopt changes the whole process's allocator."""
+    code = ("import sys, ctypes, ctypes.util; sys.path.insert(0, 'tools'); import torch, bench_mod_block as b\n"
+            "libc = ctypes.CDLL(ctypes.util.find_library('c')); libc.sbrk.restype = ctypes.c_void_p\n"
+            "libc.sbrk.argtypes = [ctypes.c_long]\n"
+            "assert b.use_caching_allocator()\n"
+            "x = torch.empty(2 ** 28)\n"
+            "print(int(x.data_ptr() + x.nbytes <= libc.sbrk(0)))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "1", "a 1 GiB tensor was mapped outside the heap"
 
 
 def test_attention_kernel_benchmark_smoke_times_the_three_paths(tmp_path):
