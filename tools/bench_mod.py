@@ -161,9 +161,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7, help="--block: paired repeats")
     ap.add_argument("--inner", type=int, default=3, help="--block: steps per variant and repeat (the fastest kept)")
     ap.add_argument("--rates", default=None, help="--block: comma-separated skip rates (default 0.1,0.2,0.3)")
-    ap.add_argument("--allocator", choices=("caching", "default"), default="caching",
-                    help="--block on CPU: glibc keeps freed memory like CUDA's caching allocator (default), or "
-                         "glibc's defaults (an mmap and page faults per large tensor)")
+    ap.add_argument("--allocator", choices=("caching", "jemalloc", "default"), default="caching",
+                    help="--block on CPU: glibc keeps freed memory like CUDA's caching allocator (default); "
+                         "jemalloc preloaded with its decay off (the command runs again under it: glibc refaults "
+                         "the 1 GiB tensors of 16 rows every step); or glibc's defaults (an mmap and page faults "
+                         "per large tensor)")
     ap.add_argument("--block-rows", type=int, default=1, help="--block: sequences of seq_len per step")
     ap.add_argument("--smoke", action="store_true", help="--block: tiny dims, 2 repeats (CI, gpu_check --cpu)")
     ap.add_argument("--attention-kernels", action="store_true",
@@ -171,6 +173,10 @@ def main(argv=None) -> int:
                          "blocked SDPA and the chunked CPU kernel (median time ratios)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
+    if args.block and args.allocator == "jemalloc":
+        from bench_mod_block import run_under_jemalloc
+
+        run_under_jemalloc([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])  # returns once it is the malloc
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.block and args.attention_kernels:
