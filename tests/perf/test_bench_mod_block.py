@@ -64,6 +64,24 @@ def test_caching_allocator_keeps_a_one_gib_tensor_in_the_heap():
     assert r.stdout.strip().splitlines()[-1] == "1", "a 1 GiB tensor was mapped outside the heap"
 
 
+def test_jemalloc_allocator_runs_the_block_under_jemalloc(tmp_path):
+    """`--allocator jemalloc` runs the command again with jemalloc preloaded (decay off), and the result names it;
+    a re-run where it still did not load stops with one line and exit 2 instead of looping."""
+    out = tmp_path / "block.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "tools/bench_mod.py", "--block", "--smoke", "--threads", "1", "--allocator",
+                        "jemalloc", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["allocator"] == "jemalloc (dirty_decay_ms:-1,muzzy_decay_ms:-1)"
+    assert set(result["minor_faults_per_step"]) == {"0", "0.2"}
+    r = subprocess.run([sys.executable, "tools/bench_mod.py", "--block", "--smoke", "--allocator", "jemalloc"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**env, "NAGMOE_BENCH_JEMALLOC": "1", "LD_PRELOAD": ""})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == ["bench_mod.py: --allocator jemalloc: jemalloc libjemalloc.so.2 did not load"]
+
+
 def test_attention_kernel_benchmark_smoke_times_the_three_paths(tmp_path):
     """`--block --attention-kernels`: full causal attention, and the executed queries through the blocked SDPA
     and through the chunked CPU kernel (several chunks even at smoke size), as ratios to full causal."""
