@@ -10,7 +10,9 @@ Repeats are paired: within a repeat the variants alternate step by step (the ord
 VM, so only neighbouring steps compare, and a neighbour's burst inflates one step, not the minimum. Timed in
 process CPU time (immune to other jobs on a shared machine; wall clock beside it). On CPU, glibc is told to
 keep freed memory (`--allocator caching`, the default: what CUDA's caching allocator does) so large tensors
-are not fresh mmaps paying page faults each step. The speed-up of a rate is the median over repeats of
+are not fresh mmaps paying page faults each step; at 16 rows glibc still refaults the 1 GiB tensors of full
+depth, and `--allocator jemalloc` runs the command again under jemalloc (each result reports its page faults
+per variant, `minor_faults_per_step`). The speed-up of a rate is the median over repeats of
 full / MoD; its 95% confidence interval comes from a bootstrap over the paired repeats. The realised share
 is (speed-up - 1) / (charged-FLOP ratio - 1): the charged FLOPs (nagmoe.flops, non_embedding convention,
 executed tokens only) are what buys tokens under a budget; the executed FLOPs with attention's padded query
