@@ -21,7 +21,8 @@ at `--block-rows 4`: one row per step leaves each expert a sixteenth of its pape
 `time_vs_charged_flops` fits a line through every rate's time ratio against its charged-FLOP ratio: its
 `fixed_share` is the part of the full step that MoD cannot shrink (on CPU: the experts' per-call weight passes
 and every token's element-wise NAG work), `share_from_fit` what that line realises at each rate (`--rates
-0.2,0.5,0.9` spreads the points). `--profile` adds a table of self CPU time per step by kind of op (a profiled step that faults in fresh pages is retaken).
+0.2,0.5,0.9` spreads the points). `--profile` adds a table of self CPU time per step by kind of op (a
+profiled step that faults in fresh pages is retaken).
 The NAG update and modulator run `compiled` (torch.compile), what `auto` picks on CUDA and the paper's runs
 execute (`model.nag.impl=eager` measures the eager reference; `--smoke` keeps `auto`, eager on CPU, to skip
 inductor's first compile).
