@@ -57,15 +57,18 @@ KINDS = (("experts", ("_grouped_mm",)), ("scores", ("scaled_dot_product", "softm
                               "sum", "mean", "clamp", "atan", "tanh", "relu", "square")))
 
 
-# mallopt takes an int: the largest threshold it can set. At 16 rows full depth's expert hidden tensors are
+# mallopt takes an int: the largest mmap threshold it can set. At 16 rows full depth's expert hidden tensors are
 # 1 GiB exactly (131,072 slots x 2048 x 4 bytes); with a 1 GiB threshold they were fresh mmaps faulting in
 # 262,144 pages every step while MoD's 0.8 GiB ones were reused, a bias towards MoD.
-MALLOC_MAX = 2 ** 31 - 1
+MMAP_THRESHOLD_MAX = 2 ** 31 - 1
+NO_TRIM = -1  # M_TRIM_THRESHOLD -1: never give the heap's top back (man mallopt; the tool's earlier 2 ** 31
+#               wrapped to a negative int and meant the same by accident)
 
 
 def use_caching_allocator() -> bool:
     """Make glibc keep freed memory for reuse, as CUDA's caching allocator does: no mmap per large tensor
-    (M_MMAP_THRESHOLD and M_TRIM_THRESHOLD at mallopt's largest value, 2 GiB). Without it every activation of
+    (M_MMAP_THRESHOLD at mallopt's largest value, 2 GiB) and no trimming of the heap's top (M_TRIM_THRESHOLD
+    -1; the setting before, 2 ** 31, wrapped to a negative int and meant the same). Without it every activation of
     more than 32 MB is a fresh mmap whose pages fault in (zeroed) on first touch: at r40 shape ~20% of a CPU
     step, and the largest source of step-to-step noise (`minor_faults_per_step` in the result shows what is
     left). False where the C library has no mallopt (not glibc)."""
@@ -78,7 +81,7 @@ def use_caching_allocator() -> bool:
     except (OSError, AttributeError):
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    return bool(mallopt(M_MMAP_THRESHOLD, MALLOC_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, MALLOC_MAX))
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, NO_TRIM))
 
 
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"  # freed pages never given back: reused, as CUDA's allocator

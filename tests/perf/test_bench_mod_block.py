@@ -71,9 +71,10 @@ def test_a_profiled_step_with_page_faults_is_retaken(monkeypatch):
 def test_caching_allocator_keeps_a_one_gib_tensor_in_the_heap():
     """At 16 rows per step full depth's expert hidden tensors are 1 GiB exactly. With glibc's mmap threshold at
     1 GiB (the tool before) each was a fresh mmap, unmapped when freed, faulting in its 262,144 pages every step
-    while MoD's smaller ones came from the heap: a bias towards MoD. The tool's setting must put a 1 GiB
-    tensor in the heap (below the program break), where freed memory stays mapped for the next step. In a child
-    process: mallopt changes the whole process's allocator."""
+    while MoD's smaller ones came from the heap: a bias towards MoD. The tool's setting must put a 1 GiB tensor
+    below the program break, in the heap that is never trimmed. (Whether glibc then reuses it is not
+    deterministic: its 64-byte-aligned blocks fragment, hence `--allocator jemalloc` and the faults in every
+    result.) In a child process: mallopt changes the whole process's allocator."""
     code = ("import sys, ctypes, ctypes.util; sys.path.insert(0, 'tools'); import torch, bench_mod_block as b\n"
             "libc = ctypes.CDLL(ctypes.util.find_library('c')); libc.sbrk.restype = ctypes.c_void_p\n"
             "libc.sbrk.argtypes = [ctypes.c_long]\n"
