@@ -4,7 +4,8 @@ side with the executed-FLOP ratio, written as JSON.
     python tools/bench_mod.py                                            # configs/tiny-mod20.yaml, 8 x 256
     python tools/bench_mod.py --config configs/tiny-mod20.yaml --rows 8 --iters 10 --out bench_mod.json
     python tools/bench_mod.py --block [--repeats 7 --inner 3 --rates 0.1,0.2,0.3 --block-rows 1 --profile 2
-                                       --allocator caching|jemalloc|default --threads 1 --smoke] [overrides]   # bench_mod_block.py
+                                       --allocator caching|jemalloc|default --threads 1 --smoke] [overrides]
+                                                                             # bench_mod_block.py
     python tools/bench_mod.py --block --attention-kernels [--repeats 15 --inner 3 --smoke]   # the score kernel
 
 One model, one set of weights: the MoD variant uses thresholds at the config's skip rate, taken from the score

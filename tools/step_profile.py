@@ -282,7 +282,8 @@ def main(argv=None) -> int:
             trainer.release_lease()
     print(format_table(result))
     if result.get("grouped_gemm_flops_per_s"):
-        print(f"grouped GEMM: {result['grouped_gemm_flops_per_s'] / 1e9:.1f} GFLOP/s over {result['grouped_gemm_s']:.4f} s")
+        print(f"grouped GEMM: {result['grouped_gemm_flops_per_s'] / 1e9:.1f} GFLOP/s "
+              f"over {result['grouped_gemm_s']:.4f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

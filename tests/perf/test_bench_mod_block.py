@@ -101,7 +101,8 @@ def test_jemalloc_allocator_runs_the_block_under_jemalloc(tmp_path):
                        cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**env, "NAGMOE_BENCH_JEMALLOC": "1", "LD_PRELOAD": ""})
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines() == ["bench_mod.py: --allocator jemalloc: jemalloc libjemalloc.so.2 did not load"]
+    assert r.stderr.strip().splitlines() == [
+        "bench_mod.py: --allocator jemalloc: jemalloc libjemalloc.so.2 did not load"]
 
 
 def test_attention_kernel_benchmark_smoke_times_the_three_paths(tmp_path):
