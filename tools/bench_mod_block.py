@@ -101,7 +101,8 @@ def run_under_jemalloc(argv: list) -> None:
     """`--allocator jemalloc`: run this command again with jemalloc preloaded and its decay off, unless it is
     already. glibc's malloc serves torch's 64-byte-aligned requests of 1 GiB (a 16-row step's expert hidden
     tensors) from fresh heap each time (strace: the break grows 1 GiB per allocation): at 16 rows full depth
-    faulted in 1.3 M pages a step and MoD 0.2 M, a bias towards MoD. jemalloc's size classes reuse them. Exits with one line (code 2) where jemalloc is not installed."""
+    faulted in 1.3 M pages a step and MoD 0.2 M, a bias towards MoD. jemalloc's size classes reuse them. Exits
+    with one line (code 2) where jemalloc is not installed."""
     import ctypes.util
 
     if jemalloc_loaded():

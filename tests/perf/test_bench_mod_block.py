@@ -73,7 +73,8 @@ def test_caching_allocator_keeps_a_one_gib_tensor_in_the_heap():
     1 GiB (the tool before) each was a fresh mmap, unmapped when freed, faulting in its 262,144 pages every step
     while MoD's smaller ones came from the heap: a bias towards MoD. The tool's setting must put a 1 GiB tensor
     below the program break, in the heap that is never trimmed. (Whether glibc then reuses it is not
-    deterministic, measured: hence `--allocator jemalloc` and the faults in every result.) In a child process: mallopt changes the whole process's allocator."""
+    deterministic, measured: hence `--allocator jemalloc` and the faults in every result.) In a child process:
+    mallopt changes the whole process's allocator."""
     code = ("import sys, ctypes, ctypes.util; sys.path.insert(0, 'tools'); import torch, bench_mod_block as b\n"
             "libc = ctypes.CDLL(ctypes.util.find_library('c')); libc.sbrk.restype = ctypes.c_void_p\n"
             "libc.sbrk.argtypes = [ctypes.c_long]\n"
