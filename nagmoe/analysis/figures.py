@@ -253,3 +253,37 @@ def compute_dial(dials: dict, colours: dict, path: str, full_depth: Optional[dic
     ax.grid(alpha=0.3)
     legend(ax, entries, fontsize=8)
     return _save(fig, path)
+
+
+def paired_differences(rows: list, path: str) -> Optional[str]:
+    """Each pair's bpb difference (variant - reference) with its two intervals: the eval windows' 95% interval
+    (thick) and the seeds' two standard errors (thin, when measured). `rows`: [(label, diff, [lo, hi] or None,
+    seed half-width or None)]."""
+    if not rows:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 0.7 + 0.55 * len(rows)))
+    entries = []
+    for i, (label, diff, ci, seed_half) in enumerate(rows):
+        y = len(rows) - 1 - i
+        if seed_half is not None:
+            line = ax.errorbar([diff], [y + 0.12], xerr=[[seed_half], [seed_half]], fmt="none", ecolor="#888",
+                               elinewidth=1.2, capsize=4)
+            if not any(lab == "seeds: 2 standard errors" for _, lab in entries):
+                entries.append((line, "seeds: 2 standard errors"))
+        if ci is not None:
+            line = ax.errorbar([diff], [y], xerr=[[diff - ci[0]], [ci[1] - diff]], fmt="o", color="#1f77b4",
+                               elinewidth=3, capsize=0)
+            if not any(lab == "eval windows: 95% interval" for _, lab in entries):
+                entries.append((line, "eval windows: 95% interval"))
+        else:
+            ax.plot([diff], [y], "o", color="#1f77b4")
+    ax.axvline(0.0, color="#444", linewidth=0.8)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([label for label, *_ in reversed(rows)])
+    for text in ax.get_yticklabels():
+        text.set_parse_math(False)
+    ax.set_xlabel("val bpb difference (variant - reference; < 0: variant ahead)")
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    legend(ax, entries, fontsize=8, loc="best")
+    return _save(fig, path)

@@ -22,16 +22,17 @@ from typing import Callable, Optional
 from nagmoe.analysis import figures as fig
 from nagmoe.analysis.references import THEIRS
 from nagmoe.analysis.report_balance import HEADERS, NOTE as BALANCE_NOTE, balance_rows
-from nagmoe.analysis.report_data import (FINAL_LOSS_WINDOW, accuracy_noise, find_pairs, group_records, mean_sd,
-                                         measure_checkpoint, noise_statement, problem_text, read_run, unique_labels)
+from nagmoe.analysis.report_data import (FINAL_LOSS_WINDOW, find_pairs, group_records, mean_sd, measure_checkpoint,
+                                         problem_text, read_run, unique_labels)
+from nagmoe.analysis.report_paired import TITLES, claim_line, comparisons_html, figure_rows, pair_statistics
 from nagmoe.base.errors import one_line
 from nagmoe.base.files import atomic_writer, write_atomic
 
 REPORT_HTML, REPORT_JSON, FIGURE_DIR = "report.html", "report.json", "figures"
-FIGURES = ("loss_curves", "val_bpb", "depth", "confidence", "router_load", "compute_dial", "mod_skip_depth")
+FIGURES = ("loss_curves", "val_bpb", "paired_differences", "depth", "confidence", "router_load", "compute_dial",
+           "mod_skip_depth")
 SECTIONS = ("overview", "problems", "results", "curves", "comparisons", "depth", "mod", "dial", "references", "runs")
-PAIR_TITLES = {"nag_vs_baseline": "NAG vs pre-norm baseline", "mod_vs_full": "MoD vs full depth",
-               "vs_first": "vs the first run"}
+PAIR_TITLES = TITLES
 CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1200px;margin:2em auto;
 padding:0 1em;color:#222;line-height:1.45}h1{margin-bottom:.2em}h2{border-bottom:1px solid #ddd;padding-bottom:.2em;
 margin-top:2em}table{border-collapse:collapse;margin:.6em 0;font-size:.92em}th,td{border:1px solid #ccc;padding:.3em
@@ -176,31 +177,6 @@ def results(groups, nums, unigram) -> str:
                         "note"))
     out.append(para("Eval: offline Shakespeare next-line task (pick the true next line among 4; chance 0.25; "
                     "report.json also has the centred accuracy (acc - 0.25) / 0.75), not CORE.", "note"))
-    return "\n".join(out)
-
-
-def comparisons(pairs, nums) -> str:
-    if not pairs:
-        return para("Only one run group: nothing to compare.", "note")
-    out = []
-    for p in pairs:
-        a, b = nums[p.reference], nums[p.variant]
-        out.append(f"<h3>{esc(PAIR_TITLES[p.kind])}: {esc(p.variant)} vs {esc(p.reference)}</h3>")
-        items = []
-        names = (p.variant, p.reference)
-        bpb = noise_statement(a["val_bpb"], b["val_bpb"], "val bpb", names=names)
-        items.append(f"val bpb difference ({p.variant} - {p.reference}): {num(bpb['diff'], '+.4f')} — {bpb['text']}")
-        loss = noise_statement(a["val_loss"], b["val_loss"], "val loss", " nats", names=names)
-        if loss["diff"] is not None:
-            items.append(f"val loss difference (nats, analysis windows): {loss['diff']:+.4f} — {loss['text']}")
-        if a["eval_accuracy"] and b["eval_accuracy"]:
-            acc = accuracy_noise((_m(a["eval_accuracy"]), a["eval_items"]), (_m(b["eval_accuracy"]), b["eval_items"]))
-            items.append(f"eval accuracy difference: {acc['diff']:+.3f} — {acc['text']}")
-        ta, tb = _m(a["tokens"]), _m(b["tokens"])
-        if ta and tb:
-            items.append(f"tokens seen: {tb / ta:.3f}x the reference's under the same budget")
-        items.append(f"configs differ in: {', '.join(p.differs) or 'nothing but the seed and budget keys'}")
-        out.append("<ul>" + "".join(f"<li>{esc(i)}</li>" for i in items) + "</ul>")
     return "\n".join(out)
 
 
@@ -362,12 +338,13 @@ def dial_section(groups, nums, colours, fig_dir) -> tuple:
         "so the bpb here can differ from the training-time val bpb under Results.", "note"), *tables]), path
 
 
-def references(pairs, nums, groups) -> str:
+def references(pairs, nums, groups, stats) -> str:
     ours = {k: [] for k in THEIRS}  # one entry per matching pair (a sweep has several)
     counts = {kind: sum(p.kind == kind for p in pairs) for kind in PAIR_TITLES}
-    for p in pairs:
+    for p, st in zip(pairs, stats):
         a, b = nums[p.reference], nums[p.variant]
         found = {}
+        resolution = claim_line(st)  # the paper's claim against what these windows resolve (report_paired.py)
         if p.kind == "nag_vs_baseline":
             cfg = groups[p.variant][0].config.model
             ratio = cfg.d_model / cfg.n_layers
@@ -377,6 +354,8 @@ def references(pairs, nums, groups) -> str:
                 found["nag_loss_advantage"] = f"{la - lb:+.4f} (val loss) at width/depth {ratio:.0f}"
             elif fa is not None and fb is not None:
                 found["nag_loss_advantage"] = f"{fa - fb:+.4f} (final training loss) at width/depth {ratio:.0f}"
+            if resolution:
+                found["nag_loss_advantage"] = f"{found.get('nag_loss_advantage', 'n/a')}; {resolution}"
             found["val_bpb"] = f"{num(_m(a['val_bpb']))} vs {num(_m(b['val_bpb']))}"
             found["core"] = (f"{num(_m(a['eval_centred']), '.3f')} vs {num(_m(b['eval_centred']), '.3f')} "
                              "(Shakespeare next-line, centred accuracy; not CORE)")
@@ -412,6 +391,8 @@ def references(pairs, nums, groups) -> str:
             found["mod_loss"] = "; ".join(([f"{lb - la:+.4f} nats (val loss)"] if la is not None and lb is not None
                                            else []) + ([f"{bb - ba:+.4f} bpb"] if ba is not None and bb is not None
                                                        else [])) or "n/a"
+            if resolution:
+                found["mod_loss"] = f"{found['mod_loss']}; {resolution}"
         for key, text in found.items():
             ours[key].append(f"{p.variant} vs {p.reference}: {text}" if counts[p.kind] > 1 else text)
     rows = [[what, theirs, source.split(":")[0], "; ".join(ours[key]) or "no matching pair in this report"]
@@ -491,6 +472,7 @@ def write_report(run_dirs: list, out_dir: str, title: Optional[str] = None, desc
     colours = fig.palette(list(groups))
     nums = {g: group_numbers(rs) for g, rs in groups.items()}
     pairs = find_pairs(groups)
+    stats = [pair_statistics(p, groups, nums) for p in pairs]  # paired over windows, and over seeds
     opts = {"eval_items": eval_items, "analysis_tokens": analysis_tokens}
     def curve(r):  # (flops, tokens, loss) of the logged steps
         logged = [m for m in r.metrics if m.get("loss") is not None]
@@ -502,10 +484,11 @@ def write_report(run_dirs: list, out_dir: str, title: Optional[str] = None, desc
     loss_png = fig.loss_curves(curves, colours, os.path.join(fig_dir, "loss_curves.png"))
     uni = next(iter(unigram.values())) if len(unigram) == 1 else None
     bpb_png = fig.val_bpb_points(points, colours, os.path.join(fig_dir, "val_bpb.png"), uni)
+    paired_png = fig.paired_differences(figure_rows(pairs, stats), os.path.join(fig_dir, "paired_differences.png"))
     depth_html, (depth_png, conf_png, router_png) = depth_section(groups, colours, fig_dir)
     dial_html, dial_png = dial_section(groups, nums, colours, fig_dir)
     mod_html, skip_png = mod_section(groups, nums, pairs, fig_dir)
-    made = {"loss_curves": loss_png, "val_bpb": bpb_png, "depth": depth_png, "confidence": conf_png,
+    made = {"loss_curves": loss_png, "val_bpb": bpb_png, "paired_differences": paired_png, "depth": depth_png, "confidence": conf_png,
             "router_load": router_png, "compute_dial": dial_png, "mod_skip_depth": skip_png}
     for name, path in made.items():  # a figure of an earlier render that has nothing to show now
         stale = os.path.join(fig_dir, f"{name}.png")
@@ -520,11 +503,12 @@ def write_report(run_dirs: list, out_dir: str, title: Optional[str] = None, desc
         "results": results(groups, nums, unigram) if nums else para("No usable run dir.", "note"),
         "curves": image(loss_png, "loss curves", "no logged training step") + image(
             bpb_png, "validation bpb", "no validation bpb logged"),
-        "comparisons": comparisons(pairs, nums),
+        "comparisons": comparisons_html(pairs, stats, nums, image(
+            paired_png, "paired differences", "no pair with a difference to draw") if pairs else ""),
         "depth": depth_html,
         "mod": mod_html,
         "dial": dial_html,
-        "references": references(pairs, nums, groups),
+        "references": references(pairs, nums, groups, stats),
         "runs": runs_section(records),
     }
     headings = {"overview": None, "problems": "Problems", "results": "Results: final val bpb and eval score",
@@ -540,7 +524,9 @@ def write_report(run_dirs: list, out_dir: str, title: Optional[str] = None, desc
     write_atomic(path, page)  # a fresh temporary, renamed (nagmoe.base.files): a shared --out dir's planted names
     data = {"title": title, "html": path, "problems": problems, "unigram_bpb": unigram, "sections": list(SECTIONS),
             "figures": {k: os.path.relpath(v, out_dir) for k, v in made.items() if v},
-            "pairs": [p.__dict__ for p in pairs], "groups": nums,
+            "pairs": [{**p.__dict__, **{k: st[k] for k in ("paired", "not_paired", "per_seed", "seeds", "verdict",
+                                                            "claim") if k in st}} for p, st in zip(pairs, stats)],
+            "groups": nums,
             "runs": {r.label: {"run_dir": r.run_dir, "group": r.group, "seed": r.seed, "checkpoint": r.checkpoint,
                                "val_bpb": r.val_bpb, "final_loss": r.final_loss, "notes": r.notes} for r in records}}
     with atomic_writer(os.path.join(out_dir, REPORT_JSON)) as f:

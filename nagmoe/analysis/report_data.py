@@ -32,7 +32,7 @@ FINAL_LOSS_WINDOW = 10  # final training loss = mean over the last this many log
 CACHE_DIR = "data"  # under the report's out dir: per-run analysis/eval JSON, reused while the checkpoint is the same
 # keys that do not change what a run is (for pairing runs into comparisons)
 IGNORED_PREFIXES = ("train.seed", "train.flop_budget", "train.max_steps", "train.schedule_steps", "train.eval_every",
-                    "train.checkpoint_every", "train.keep_checkpoints", "train.eval_tokens", "train.device",
+                    "train.checkpoint_every", "train.keep_checkpoints", "train.eval_tokens", "train.eval_sample", "train.device",
                     "train.compile", "train.micro_batch_tokens", "data.num_proc", "data.verify_shards",
                     "model.attention.impl", "model.moe.impl", "parallel.", "log.")
 _LABEL = re.compile(r"^(?P<group>.+)-s(?P<seed>\d+)$")
@@ -52,6 +52,8 @@ class RunRecord:
     notes: list = field(default_factory=list)
     analysis: Optional[dict] = None
     eval: Optional[dict] = None
+    windows: Optional[object] = None  # nagmoe.eval.val_windows.WindowLosses of the final eval, when kept and usable
+    windows_note: Optional[str] = None  # why there are none (old run dir, malformed or stale file)
 
     # -- final numbers (summary first, else the last logged step) -------------------------------------------
     def _last(self, key):
@@ -139,12 +141,31 @@ def read_run(run_dir: str) -> tuple[Optional[RunRecord], list]:
         notes.append("no valid checkpoint under checkpoints/: no depth analysis, compute dial or eval score")
     if summary is None:
         notes.append(f"unfinished (no {SUMMARY_FILE}): numbers are from the last logged step")
+    windows, windows_note, problem = read_windows(run_dir, summary)
     name = os.path.basename(os.path.normpath(run_dir))
     m = _LABEL.match(name)
     group, seed = (m.group("group"), int(m.group("seed"))) if m else (name, cfg.train.seed)
     record = RunRecord(os.path.abspath(run_dir), name, group, seed, cfg, metrics, summary, checkpoint, run_info,
-                       notes)
-    return record, [f"{where}: {n}" for n in notes]
+                       notes, windows=windows, windows_note=windows_note)
+    return record, [f"{where}: {n}" for n in notes] + ([f"{where}: {problem}"] if problem else [])
+
+
+def read_windows(run_dir: str, summary: Optional[dict]) -> tuple:
+    """(WindowLosses or None, why none, a Problems line or None): the final eval's kept per-window losses, used
+    only when they are of the run's last step (a run trained on after them would pair stale numbers)."""
+    from nagmoe.eval.val_windows import read_window_losses
+    from nagmoe.rundir.names import EVAL_WINDOWS_FILE
+
+    try:
+        windows = read_window_losses(run_dir)
+    except UserError as e:  # a foreign or torn file: named once, the run still reports, unpaired
+        return None, f"{EVAL_WINDOWS_FILE} unusable", f"{problem_text(e)}; not paired"
+    if windows is None:
+        return None, f"no {EVAL_WINDOWS_FILE} (a run dir from before per-window losses were kept)", None
+    steps = (summary or {}).get("steps")
+    if steps is not None and windows.step is not None and windows.step != steps:
+        return None, f"{EVAL_WINDOWS_FILE} is of step {windows.step}, the run ended at step {steps}", None
+    return windows, None, None
 
 
 def problem_text(error: BaseException) -> str:

@@ -166,7 +166,11 @@ class TrainConfig:
     keep_checkpoints: int = 2
     keep_milestone_every_tokens: Optional[int] = None  # also save each time this many tokens pass; never pruned
     eval_every: int = 0  # 0 = only at the end
+    # the final eval's sample: eval_tokens of windows spread over the whole val split (eval_sample: strided) or the
+    # split's first windows (first: every run before issue 66, LEGACY_VALUES); nagmoe/data/eval_sample.py
     eval_tokens: int = 65536
+    eval_tokens_during: Optional[int] = None  # the in-loop evals (eval_every); None = eval_tokens
+    eval_sample: str = "strided"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     # auto (on for CUDA, off for CPU) | true | false: the sublayers as compiled units (nagmoe/train/speed.py);
@@ -231,6 +235,7 @@ CHOICES = {
     "train.flop_convention": ("matmul", "non_embedding"),
     "train.nonfinite": ("halt", "skip"),
     "train.muon_impl": ("auto", "loop", "stacked"),
+    "train.eval_sample": ("strided", "first"),
     "parallel.engine": ("torch", "deepspeed"),
     "log.wandb": ("off", "offline", "online", "auto"),
 }
@@ -244,7 +249,8 @@ POSITIVE = (
     "model.moe.n_experts", "model.moe.top_k", "model.moe.expert_hidden", "model.nag.C",
     "data.seq_len", "data.num_proc", "data.shard_tokens",
     "train.batch_tokens", "train.micro_batch_tokens", "train.max_steps", "train.flop_budget",
-    "train.schedule_steps", "train.keep_checkpoints", "train.eval_tokens", "train.checkpoint_every_minutes",
+    "train.schedule_steps", "train.keep_checkpoints", "train.eval_tokens", "train.eval_tokens_during",
+    "train.checkpoint_every_minutes",
     "train.keep_milestone_every_tokens",
     "parallel.ep", "log.every", "model.attention.rope_base", "model.nag.eps", "model.nag.gain_floor",
     "model.init_std",
@@ -273,6 +279,8 @@ LEGACY_VALUES = {
     "model.moe.lb_granularity": "micro_batch",
     "model.mod.impl": "auto",
     "train.muon_impl": "loop",
+    "train.eval_sample": "first",
+    "train.eval_tokens_during": None,
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract; also switchable
 # mid-run: logging, checkpoint timing and keeping, the export at the end, and the expert bias's rate (0 freezes
@@ -280,7 +288,7 @@ LEGACY_VALUES = {
 RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every",
                   "train.keep_checkpoints", "log.wandb", "train.checkpoint_every_minutes",
                   "train.keep_milestone_every_tokens", "train.export_hf_at_end", "model.moe.bias_update_rate",
-                  "train.hang_timeout_s")
+                  "train.hang_timeout_s", "train.eval_tokens_during", "train.eval_sample")
 # Keys of the parallel layout that may change too (issue 25): the torch engine reshards a checkpoint on load
 # (nagmoe.checkpoint.torch_layout), so a run resumes on another world size, EP degree or micro-batch; the
 # global batch (train.batch_tokens) may not change. train.compile (issue 26) changes how the step runs, not

@@ -181,17 +181,36 @@ def iter_eval_batches(data: Union[str, TokenShards], seq_len: int, batch_size_ro
     """Deterministic pass over a split: windows in stored order, batches of B consecutive windows (the last
     may be shorter), batch k on rank k mod R. `max_tokens` keeps the first max(1, max_tokens // seq_len)
     windows. Pass a `TokenShards` to evaluate repeatedly without re-verifying the shards."""
+    for _, x, y in iter_eval_windows(data, seq_len, batch_size_rows, split=split, max_tokens=max_tokens,
+                                     sample="first", rank=rank, world_size=world_size, verify=verify):
+        yield x, y
+
+
+def iter_eval_windows(data: Union[str, TokenShards], seq_len: int, batch_size_rows: int, split: str = "val",
+                      max_tokens: Optional[int] = None, sample: str = "strided",
+                      window_ids: Optional[np.ndarray] = None, rank: int = 0, world_size: int = 1,
+                      verify: bool = True) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+    """(window ids, x_BT, y_BT) over an eval sample (nagmoe/data/eval_sample.py: `sample` of `max_tokens`, or the
+    `window_ids` given): batches of B consecutive sample windows (the last may be shorter), batch k on rank
+    k mod R, so the batches, and so every window's numbers, are the same on any number of ranks."""
+    from nagmoe.data.eval_sample import eval_window_ids
+
     _check_positive(seq_len=seq_len, batch_size_rows=batch_size_rows, world_size=world_size)
     if not 0 <= rank < world_size:
         raise UserError(f"rank {rank} is outside [0, world_size={world_size})")
     shards_ = data if isinstance(data, TokenShards) else TokenShards(data, split, verify=verify)
     offsets = shards_.window_starts(seq_len)
-    n = int(offsets[-1])
-    if max_tokens is not None:
-        n = min(n, max(1, max_tokens // seq_len))
-    if n == 0:
+    n_windows = int(offsets[-1])
+    if n_windows == 0:
         raise UserError(f"{shards_.data_dir}: the {shards_.split} split holds no window of {seq_len + 1} tokens")
-    for k, first in enumerate(range(0, n, batch_size_rows)):
+    if window_ids is None:
+        ids = eval_window_ids(n_windows, max_tokens, seq_len, sample)
+    else:
+        ids = np.asarray(window_ids, dtype=np.int64)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n_windows):
+            raise UserError(f"{shards_.data_dir}: eval window ids outside the {shards_.split} split's "
+                            f"{n_windows} windows of {seq_len + 1} tokens")
+    for k, first in enumerate(range(0, len(ids), batch_size_rows)):
         if k % world_size == rank:
-            ids = np.arange(first, min(first + batch_size_rows, n), dtype=np.int64)
-            yield _to_xy(shards_.gather(ids, seq_len, offsets))
+            batch = ids[first:first + batch_size_rows]
+            yield (batch, *_to_xy(shards_.gather(batch, seq_len, offsets)))

@@ -7,6 +7,7 @@ users, scripts and old run dirs rely on them; never rename one.
       run_info.json     RUN_INFO_FILE    provenance: hosts, git commit, versions, backends (rundir/info.py)
       metrics.jsonl     METRICS_FILE     one JSON object per logged step (rundir/metrics.py)
       summary.json      SUMMARY_FILE     the final numbers (rundir/info.py)
+      eval_windows.json EVAL_WINDOWS_FILE the final eval's loss per validation window (eval/val_windows.py)
       lease.json        LEASE_FILE       which trainer owns the run dir now (rundir/lease.py)
       wandb_id          WANDB_ID_FILE    the W&B run id, so a restart continues the same W&B run
       preempt.request   REQUEST_FILE     a preemption asked for from outside (train/preemption.py)
@@ -22,6 +23,7 @@ CONFIG_FILE = "config.yaml"
 RUN_INFO_FILE = "run_info.json"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+EVAL_WINDOWS_FILE = "eval_windows.json"
 LEASE_FILE = "lease.json"
 WANDB_ID_FILE = "wandb_id"
 REQUEST_FILE = "preempt.request"
@@ -35,4 +37,4 @@ PREFLIGHT_RUN_DIR = "run"
 
 # What a finished or interrupted run leaves besides its checkpoints: a fresh start into a run dir holding any of
 # these would mix two runs' histories (checkpoint/resume.py refuses it).
-HISTORY_FILES = (METRICS_FILE, RUN_INFO_FILE, SUMMARY_FILE)
+HISTORY_FILES = (METRICS_FILE, RUN_INFO_FILE, SUMMARY_FILE, EVAL_WINDOWS_FILE)

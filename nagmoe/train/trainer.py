@@ -30,7 +30,8 @@ import torch
 
 from nagmoe.config import Config
 from nagmoe.data import shards
-from nagmoe.data.loader import TokenLoader, TokenShards, check_data_vocab, iter_eval_batches
+from nagmoe.data.loader import TokenLoader, TokenShards, check_data_vocab, iter_eval_windows
+from nagmoe.eval.val_windows import WindowAccumulator, write_window_losses
 from nagmoe.data.bpb import bits_per_byte, bpb_sums, token_bytes
 from nagmoe.base.errors import UserError, warn
 from nagmoe.config.flops import flops_per_token
@@ -303,20 +304,24 @@ class Trainer:
         return self.mesh.any(stop) if self.mesh.distributed else stop
 
     # ------------------------------------------------------------------------------------------------------
-    def evaluate(self) -> float:
+    def evaluate(self, final: bool = False) -> float:
+        """Validation bpb on the eval sample: `train.eval_tokens` of it at the end (`final`, the per-window losses
+        kept in the run dir for paired comparisons), `train.eval_tokens_during` in the loop."""
         with self.precision.scope():
-            return self._evaluate()
+            return self._evaluate(final)
 
     @torch.no_grad()
-    def _evaluate(self) -> float:
+    def _evaluate(self, final: bool) -> float:
         """Validation bits per byte; under distributed training the val batches are split over ranks and the
         sums reduced. Under EP every forward is collective, so a rank out of batches runs a throw-away
         forward while others still have one."""
+        t = self.cfg.train
+        tokens = t.eval_tokens if final or t.eval_tokens_during is None else t.eval_tokens_during
         self.model.eval()
         nats, nbytes = 0.0, 0
-        batches = iter_eval_batches(self.val_shards, self.cfg.data.seq_len, self.micro_rows,
-                                    max_tokens=self.cfg.train.eval_tokens, rank=self.rank,
-                                    world_size=self.world_size)
+        batches = iter_eval_windows(self.val_shards, self.cfg.data.seq_len, self.micro_rows, max_tokens=tokens,
+                                    sample=t.eval_sample, rank=self.rank, world_size=self.world_size)
+        windows = WindowAccumulator(self.token_bytes) if final else None
         lockstep = self.mesh.ep > 1
         while True:
             batch = next(batches, None)
@@ -329,15 +334,36 @@ class Trainer:
                 with self.autocast:
                     self.model(x, x, reduction="none")
                 continue
-            x, y = to_device(batch[0], self.device), to_device(batch[1], self.device)
+            ids, x, y = batch[0], to_device(batch[1], self.device), to_device(batch[2], self.device)
             with self.autocast:
                 out = self.model(x, y, reduction="none")
-            n, b = bpb_sums(out.loss, y, self.token_bytes)
+            n, b = bpb_sums(out.loss, y, self.token_bytes)  # the total as before issue 66: old runs' numbers
             nats, nbytes = nats + n, nbytes + b
+            if windows is not None:
+                windows.add(ids, out.loss, y)
         self.model.train()
         if self.mesh.distributed:
             nats, nbytes = self.mesh.all_reduce([nats, nbytes])
+        if windows is not None:
+            self._keep_window_losses(windows)
         return bits_per_byte(nats, nbytes)
+
+    def _keep_window_losses(self, windows: WindowAccumulator) -> None:
+        """Every rank's per-window sums gathered to rank 0, written as RUN_DIR/eval_windows.json after the fence
+        (a trainer that lost the run dir writes nothing)."""
+        parts = [windows.columns()]
+        if self.mesh.distributed:
+            import torch.distributed as dist
+
+            gathered = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(parts[0], gathered, dst=0)
+            parts = gathered
+        self.fence()
+        if self.rank == 0:
+            seq_len = self.cfg.data.seq_len
+            write_window_losses(self.run_dir, WindowAccumulator.merge(
+                parts, self.val_shards.fingerprint, seq_len, self.cfg.train.eval_sample,
+                int(self.val_shards.window_starts(seq_len)[-1]), self.progress.step))
 
     def train_step(self) -> dict:
         """One optimizer step (forward, backward, optimizer), under CUDA's rules when asked for."""
@@ -565,7 +591,7 @@ class Trainer:
                 gate_stop = self._gate_check(rec)  # the gate-collapse alarm: a warning and metrics fields
                 if last or (t.eval_every and step % t.eval_every == 0):
                     with watchdog.phase("an evaluation"):
-                        val_bpb = rec["val_bpb"] = self.evaluate()
+                        val_bpb = rec["val_bpb"] = self.evaluate(final=last)
                 if last or step % self.cfg.log.every == 0 or "val_bpb" in rec:
                     self.fence()  # every rank: a lost lease stops them all before rank 0 writes
                     if metrics is not None:
@@ -582,7 +608,7 @@ class Trainer:
                     raise TrainingHalted(f"stopped by the gate-collapse alarm at step {step} (checkpoint "
                                          "written)", EXIT_GATE_COLLAPSE)
             if val_bpb is None:  # nothing left to train (e.g. resumed at the stop): evaluate for the summary
-                val_bpb = self.evaluate()
+                val_bpb = self.evaluate(final=True)
         except RuntimeError as exc:  # a gloo collective past its timeout: one line naming rank, host, step
             halt = watchdog.timed_out(exc)
             if halt is None:
