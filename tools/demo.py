@@ -5,7 +5,8 @@
    Mixture-of-Depths 20%, identical internals, one shared FLOP budget (160 steps of the full-depth NAG model);
 3. write the report, runs/demo/report.html (what it contains: docs/report.md);
 4. print the table against the unigram (token-frequency) bpb of the same tokenizer and split, and check that
-   every model beats it by at least 0.3 bpb and is below 3.0 bpb (exit status 1 otherwise).
+   every model beats it by at least 0.3 bpb and is below 3.0 bpb (exit status 1 otherwise), and each comparison's
+   paired difference over the same validation windows with its 95% interval, beside the seed statement.
 Re-running reuses finished runs and resumes unfinished ones. Extra arguments are config overrides for every run.
 """
 from __future__ import annotations
@@ -70,6 +71,10 @@ def main(argv=None) -> int:
     table = "\n".join(["| run | val bpb | vs unigram | next-line acc | steps | tokens | training FLOPs | "
                        "realised skip | train time (s) | check |", "|---|---|---|---|---|---|---|---|---|---|", *rows,
                        f"| unigram | {unigram:.4f} | | | | | | | | |"])
+    from nagmoe.analysis.report_paired import paired_line
+
+    comparisons = [f"- {p['variant']} - {p['reference']}: {paired_line(p)}; seeds: {p['seeds']['text']}"
+                   for p in report["pairs"]]  # the windows' interval beside the seed statement (issue 66)
     wall = time.time() - t0
     out_dir = exp.out_dir(args.runs_root)
     summary = {"unigram_bpb": unigram, "check_ok": ok, "wall_s": wall, "data_s": t_data, "train_s": t_train,
@@ -78,8 +83,10 @@ def main(argv=None) -> int:
         json.dump(summary, f, indent=1, default=str)
     with open(os.path.join(out_dir, "demo.md"), "w") as f:
         f.write(f"# nagmoe demo\n\n{table}\n\nShared budget {exp.flop_budget:.4g} training FLOPs per run; "
-                f"wall time {wall:.0f} s (data {t_data:.0f} s, training {t_train:.0f} s, report {t_report:.0f} s).\n")
+                f"wall time {wall:.0f} s (data {t_data:.0f} s, training {t_train:.0f} s, report {t_report:.0f} s).\n"
+                "\nComparisons (paired over the same validation windows):\n\n" + "\n".join(comparisons) + "\n")
     print("\n" + table, flush=True)
+    print("\n" + "\n".join(comparisons), flush=True)
     print(f"\n[demo] check (each model <= unigram - {MARGIN} bpb and < {CEILING} bpb): {'ok' if ok else 'FAILED'}")
     print(f"[demo] total {wall:.0f} s (data {t_data:.0f} s, training {t_train:.0f} s, report {t_report:.0f} s); "
           f"report: {report['html']}", flush=True)

@@ -68,7 +68,8 @@ def run_preflight(directory: str, steps: int = 3, gpu_memory_gb: Optional[float]
 
     cfg = load_config(os.path.join(directory, SLURM_DIR, CONFIG_FILE))
     for key, value in (("train.max_steps", steps), ("train.checkpoint_every", steps), ("train.eval_every", 0),
-                       ("train.eval_tokens", cfg.data.seq_len), ("log.wandb", "off")):
+                       ("train.eval_tokens", cfg.data.seq_len), ("train.eval_tokens_during", cfg.data.seq_len),
+                       ("log.wandb", "off")):
         set_key(cfg, key, value)
     run_dir = os.path.join(directory, PREFLIGHT_RUN_DIR)
     if not dist.is_initialized() or dist.get_rank() == 0:  # each preflight starts from nothing
