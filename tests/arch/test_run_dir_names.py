@@ -18,7 +18,7 @@ DISTINCTIVE = {v for v in TABLE if "." in v or "_" in v} - {"config.yaml"}
 def test_the_table_holds_the_run_dirs_names():
     assert {"metrics.jsonl", "run_info.json", "summary.json", "lease.json", "wandb_id", "preempt.request",
             "preempted.json", "jobs.jsonl", "checkpoints", "config.yaml"} <= set(TABLE)
-    assert names.HISTORY_FILES == (names.METRICS_FILE, names.RUN_INFO_FILE, names.SUMMARY_FILE)
+    assert names.HISTORY_FILES == (names.METRICS_FILE, names.RUN_INFO_FILE, names.SUMMARY_FILE, names.EVAL_WINDOWS_FILE)
 
 
 def test_no_module_spells_a_run_dir_name_of_its_own():
