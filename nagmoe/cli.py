@@ -20,6 +20,7 @@ COMMANDS = {
     "train": ("train", "train (resumes from the latest valid checkpoint in the run dir)"),
     "eval": ("eval", "CORE-style in-context scores (offline Shakespeare task, JSONL tasks, CORE bundle)"),
     "analyze": ("analyze", "depth, BOS-sink, confidence and MoD statistics of a run, as JSON"),
+    "compare": ("compare", "paired difference of two runs in val bpb on the same windows, with its 95%% interval"),
     "experiment": ("experiment", "run a FLOP-matched experiment file"),
     "report": ("report", "compare run dirs in an HTML report"),
     "generate": ("generate", "sample from a trained run"),

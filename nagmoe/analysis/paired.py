@@ -81,7 +81,14 @@ def _aligned(seed_pairs: list) -> tuple:
             ids = np.intersect1d(ids, ref0.window_ids[ia], assume_unique=True)
     if len(ids) < 2:
         raise NotPaired(f"the seeds share {len(ids)} common windows")
-    at = (lambda run: np.searchsorted(run.window_ids, ids))
+    def at(run):  # positions of `ids` in the run's ascending ids, each checked to be that id
+        pos = np.minimum(np.searchsorted(run.window_ids, ids), len(run.window_ids) - 1)
+        if not np.array_equal(run.window_ids[pos], ids):
+            raise NotPaired("a run lacks windows the others share")
+        return pos
+
+    if int(ref0.bytes[at(ref0)].sum()) == 0:
+        raise NotPaired("the common windows hold no text (0 bytes)")
     ref_nats = [a.nats[at(a)] for a, _ in seed_pairs]
     var_nats = [b.nats[at(b)] for _, b in seed_pairs]
     nats_d = np.mean([vb - va for va, vb in zip(ref_nats, var_nats)], axis=0)

@@ -123,3 +123,10 @@ def test_the_verdict_names_what_resolves_the_difference(windows_ci, seeds, expec
     text = verdict(paired, seeds, ("nag", "baseline"))["text"]
     assert text.startswith(expected), text
     assert "windows resolve differences above 0.0050 bpb" in text
+
+
+def test_windows_without_text_do_not_pair():
+    """A kept file may be well-formed and still hold 0 bytes everywhere: NotPaired, not a ZeroDivisionError."""
+    zeros = np.zeros(10, dtype=np.int64)
+    with pytest.raises(NotPaired, match="0 bytes"):
+        paired_difference([(windows(np.ones(10), zeros), windows(np.ones(10), zeros))])

@@ -4,7 +4,9 @@ import math
 
 import pytest
 
-from nagmoe.analysis.report import comparisons
+from types import SimpleNamespace
+
+from nagmoe.analysis.report_paired import comparisons_html, pair_statistics
 from nagmoe.analysis.report_data import Pair, noise_statement
 
 
@@ -36,6 +38,9 @@ def test_the_comparisons_section_carries_both_wordings():
     nums = {"baseline": group([3.000, 3.004, 2.996]), "nag": group([2.979, 2.981, 2.977]),
             "nag-mod20": group([2.980, 2.970, 2.990])}
     pairs = [Pair("nag_vs_baseline", "baseline", "nag", []), Pair("mod_vs_full", "nag", "nag-mod20", [])]
-    html = comparisons(pairs, nums)
+    groups = {g: [SimpleNamespace(seed=s, windows=None, windows_note=None, label=f"{g}-s{s}") for s in range(3)]
+              for g in nums}  # run records without per-window losses: the seed statement alone, "not paired"
+    html = comparisons_html(pairs, [pair_statistics(p, groups, nums) for p in pairs], nums, "")
+    assert "not paired: " in html
     assert "nag ahead of baseline by 0.0210 ±" in html
     assert "below what 3 seeds resolve" in html
