@@ -123,6 +123,11 @@ class ProgressWatchdog:
             self.board.stop()
         self.collectives.restore()
         self._stop.set()
+        if self._wake_w is not None:  # wake the thread out of its select() now, not at its next timeout (up to 5 s)
+            try:
+                os.write(self._wake_w, b"\0")  # not a signal number the thread acts on
+            except OSError:  # the pipe is full of signal bytes: the thread is about to read them anyway
+                pass
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._wake_w is not None:

@@ -106,3 +106,16 @@ def test_off_and_the_legacy_value():
         assert (w.long_phase_s, w.term_grace_s, w.last_step) == (7.0, 2.0, 5)
     finally:
         w.stop()
+
+
+def test_stop_wakes_the_watch_thread_instead_of_waiting_out_its_interval(monkeypatch):
+    """Every Trainer.run ends with stop(): the thread sleeps in select() on the signal pipe for up to its interval
+    (5 s), so stop() must wake it. With an interval of 60 s, a stop that only sets the event would leave the
+    thread alive past stop()'s 5 s join."""
+    w, _ = watchdog()
+    monkeypatch.setattr(w, "_interval", lambda: 60.0)
+    w.start()
+    assert w._wake_r is not None  # the main thread: the signal pipe is in use
+    time.sleep(0.2)  # the thread is in its select()
+    w.stop()
+    assert not w._thread.is_alive()
