@@ -30,9 +30,8 @@ import torch
 
 from nagmoe.config import Config
 from nagmoe.data import shards
-from nagmoe.data.loader import TokenLoader, TokenShards, check_data_vocab, iter_eval_windows
-from nagmoe.eval.val_windows import WindowAccumulator, write_window_losses
-from nagmoe.data.bpb import bits_per_byte, bpb_sums, token_bytes
+from nagmoe.data.loader import TokenLoader, TokenShards, check_data_vocab
+from nagmoe.data.bpb import token_bytes
 from nagmoe.base.errors import UserError, warn
 from nagmoe.config.flops import flops_per_token
 from nagmoe.model import build_model
@@ -66,6 +65,7 @@ from nagmoe.train.schedule import injection_warmup, lr_multiplier
 from nagmoe.train.checkpoint_schedule import CheckpointSchedule, save_error
 from nagmoe.train.memory import eager_memory_refusal, micro_batch_rows, plan_loss_recompute
 from nagmoe.train.progress_log import ProgressLog
+from nagmoe.train.validation import validation_bpb
 from nagmoe.train.speed import compile_model, enable_activation_checkpointing, resolve_compile, sdpa_backends
 
 
@@ -308,62 +308,7 @@ class Trainer:
         """Validation bpb on the eval sample: `train.eval_tokens` of it at the end (`final`, the per-window losses
         kept in the run dir for paired comparisons), `train.eval_tokens_during` in the loop."""
         with self.precision.scope():
-            return self._evaluate(final)
-
-    @torch.no_grad()
-    def _evaluate(self, final: bool) -> float:
-        """Validation bits per byte; under distributed training the val batches are split over ranks and the
-        sums reduced. Under EP every forward is collective, so a rank out of batches runs a throw-away
-        forward while others still have one."""
-        t = self.cfg.train
-        tokens = t.eval_tokens if final or t.eval_tokens_during is None else t.eval_tokens_during
-        self.model.eval()
-        nats, nbytes = 0.0, 0
-        batches = iter_eval_windows(self.val_shards, self.cfg.data.seq_len, self.micro_rows, max_tokens=tokens,
-                                    sample=t.eval_sample, rank=self.rank, world_size=self.world_size)
-        windows = WindowAccumulator(self.token_bytes) if final else None
-        lockstep = self.mesh.ep > 1
-        while True:
-            batch = next(batches, None)
-            if lockstep and not self.mesh.any(batch is not None):
-                break
-            if batch is None:
-                if not lockstep:
-                    break
-                x = torch.zeros(1, self.cfg.data.seq_len, dtype=torch.long, device=self.device)
-                with self.autocast:
-                    self.model(x, x, reduction="none")
-                continue
-            ids, x, y = batch[0], to_device(batch[1], self.device), to_device(batch[2], self.device)
-            with self.autocast:
-                out = self.model(x, y, reduction="none")
-            n, b = bpb_sums(out.loss, y, self.token_bytes)  # the total as before issue 66: old runs' numbers
-            nats, nbytes = nats + n, nbytes + b
-            if windows is not None:
-                windows.add(ids, out.loss, y)
-        self.model.train()
-        if self.mesh.distributed:
-            nats, nbytes = self.mesh.all_reduce([nats, nbytes])
-        if windows is not None:
-            self._keep_window_losses(windows)
-        return bits_per_byte(nats, nbytes)
-
-    def _keep_window_losses(self, windows: WindowAccumulator) -> None:
-        """Every rank's per-window sums gathered to rank 0, written as RUN_DIR/eval_windows.json after the fence
-        (a trainer that lost the run dir writes nothing)."""
-        parts = [windows.columns()]
-        if self.mesh.distributed:
-            import torch.distributed as dist
-
-            gathered = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(parts[0], gathered, dst=0)
-            parts = gathered
-        self.fence()
-        if self.rank == 0:
-            seq_len = self.cfg.data.seq_len
-            write_window_losses(self.run_dir, WindowAccumulator.merge(
-                parts, self.val_shards.fingerprint, seq_len, self.cfg.train.eval_sample,
-                int(self.val_shards.window_starts(seq_len)[-1]), self.progress.step))
+            return validation_bpb(self, final)
 
     def train_step(self) -> dict:
         """One optimizer step (forward, backward, optimizer), under CUDA's rules when asked for."""

@@ -1,4 +1,4 @@
-"""The final eval's per-window losses on 2 gloo ranks (issue 66, nagmoe/train/trainer.py `_keep_window_losses`):
+"""The final eval's per-window losses on 2 gloo ranks (issue 66, nagmoe/train/validation.py `keep_window_losses`):
 every rank's windows gathered to rank 0 into one RUN_DIR/eval_windows.json, equal to one process's.
 
 One process trains the micro config 2 steps with 1-row micro-batches (the eval's batches are then 1 window on every
