@@ -191,6 +191,9 @@ class TrainConfig:
     # the progress watchdog (nagmoe/train/hang_watchdog.py): no progress for this long ends the process (exit 76);
     # null = max(20 x median step time, 180 s), 0 = off (a saved config without the key reads 0, LEGACY_VALUES)
     hang_timeout_s: Optional[float] = None
+    # Python's garbage collector off the step (nagmoe/train/gc_control.py): set-up frozen, automatic collection off
+    # in the loop, a full collection every this many steps on every rank; 0 = Python's default (LEGACY_VALUES)
+    gc_every: int = 50
 
 
 @dataclass
@@ -261,6 +264,7 @@ NON_NEGATIVE = (
     "train.eval_every", "train.weight_decay", "train.grad_clip", "log.stats_every", "train.gate_collapse_every",
     "model.moe.lb_loss_weight", "model.moe.z_loss_weight", "train.seed", "train.lr_matrix", "train.lr_embed",
     "train.lr_unembed", "train.lr_scalar", "train.lr_gate", "train.lr_router", "train.hang_timeout_s",
+    "train.gc_every",
 )
 # Keys added after runs existed, with the value that reproduces the behaviour of a run dir whose saved config
 # predates them (the migration rule: new runs get the default, an old run dir resumes as it was).
@@ -281,6 +285,7 @@ LEGACY_VALUES = {
     "train.muon_impl": "loop",
     "train.eval_sample": "first",
     "train.eval_tokens_during": None,
+    "train.gc_every": 0,
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract; also switchable
 # mid-run: logging, checkpoint timing and keeping, the export at the end, and the expert bias's rate (0 freezes
@@ -288,7 +293,8 @@ LEGACY_VALUES = {
 RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every",
                   "train.keep_checkpoints", "log.wandb", "train.checkpoint_every_minutes",
                   "train.keep_milestone_every_tokens", "train.export_hf_at_end", "model.moe.bias_update_rate",
-                  "train.hang_timeout_s", "train.eval_tokens_during", "train.eval_sample")
+                  "train.hang_timeout_s", "train.eval_tokens_during", "train.eval_sample",
+                  "train.gc_every")
 # Keys of the parallel layout that may change too (issue 25): the torch engine reshards a checkpoint on load
 # (nagmoe.checkpoint.torch_layout), so a run resumes on another world size, EP degree or micro-batch; the
 # global batch (train.batch_tokens) may not change. train.compile (issue 26) changes how the step runs, not

@@ -64,6 +64,7 @@ from nagmoe.train.backends_ran import collect as collect_backends_ran, merge as 
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
 from nagmoe.train.checkpoint_schedule import CheckpointSchedule, save_error
 from nagmoe.train.memory import eager_memory_refusal, micro_batch_rows, plan_loss_recompute
+from nagmoe.train.gc_control import LoopGC
 from nagmoe.train.progress_log import ProgressLog
 from nagmoe.train.validation import validation_bpb
 from nagmoe.train.speed import compile_model, enable_activation_checkpointing, resolve_compile, sdpa_backends
@@ -515,6 +516,7 @@ class Trainer:
         board = default_board(self.rank, self.world_size, socket.gethostname())
         watchdog = start_watchdog(self.rank, t.hang_timeout_s, self.progress.step,  # a hang ends in bounded time
                                   board=board.start(self.progress.step) if board is not None else None)
+        loop_gc = LoopGC(t.gc_every).__enter__()  # set-up frozen, collections every gc_every steps (gc_control.py)
         try:
             while not self.should_stop():
                 if preemption.requested():  # all ranks agree; checkpoint, marker, raise Preempted (exit 75)
@@ -549,6 +551,7 @@ class Trainer:
                 if save:  # steps, minutes (rank 0's clock), milestones, the last step
                     with watchdog.phase("a checkpoint save"):
                         self.checkpoint(milestone, fatal=last or gate_stop)
+                loop_gc.step_done(step)  # the same step on every rank
                 if gate_stop:
                     raise TrainingHalted(f"stopped by the gate-collapse alarm at step {step} (checkpoint "
                                          "written)", EXIT_GATE_COLLAPSE)
@@ -560,6 +563,7 @@ class Trainer:
                 raise
             raise halt from exc
         finally:
+            loop_gc.__exit__(None, None, None)
             watchdog.stop()
             preemption.uninstall()
             if progress_log is not None:
