@@ -1,11 +1,13 @@
 """The trainer's progress on stderr, suited to where it goes (issue 27): on a terminal the tqdm bar; otherwise
 (a Slurm log file, a pipe) one plain line per logging interval — no carriage-return frames in a log file:
 
-    [nagmoe] step 120/4000 loss 3.412 val_bpb - tok/s 51,234 TFLOP/s 380.1 MFU 38.4% elapsed 0:12:04 ETA 6:30:11
+    [nagmoe] step 120/4000 loss 3.412 val_bpb - tok/s 51,234 TFLOP/s 380.1 MFU 38.4% step_s 0.640 (data 0.002,
+             loop 0.011) peak 61.2 GiB elapsed 0:12:04 ETA 6:30:11
 
 A line is written at the first step, then at most one per `min_interval_s` among the steps that `log.every`
-selects, and always at the last step. MFU is against the device's bf16 data-sheet peak times the world size
-(nagmoe.config.flops.mfu), "-" where the peak is unknown (CPU). ETA from the mean step time since this process
+selects, and always at the last step. tok/s, TFLOP/s and MFU are over the whole iteration (step_s: the loop's
+own time included, nagmoe/train/loop_clock.py). MFU is against the device's bf16 data-sheet peak times the world
+size (nagmoe.config.flops.mfu), "-" where the peak is unknown (CPU). ETA from the mean step time since this process
 started, over the steps left to `train.max_steps` ("-" when the run stops on a FLOP budget only).
 """
 from __future__ import annotations
@@ -60,9 +62,12 @@ class ProgressLog:
         eta = "-" if not self.total or not done else _clock(elapsed / done * (self.total - step))
         total = f"/{self.total}" if self.total else ""
         bpb = f"{val_bpb:.4f}" if val_bpb else "-"
+        loop = (f" step_s {rec['step_s']:.3f} (data {rec['data_wait_s']:.3f}, loop {rec['loop_s']:.3f})"
+                if "loop_s" in rec else "")  # the loop's own time (nagmoe/train/loop_clock.py)
+        peak = f" peak {rec['peak_memory_gib']:.1f} GiB" if rec.get("peak_memory_gib") is not None else ""
         self.stream.write(f"[nagmoe] step {step}{total} loss {rec['loss']:.4f} val_bpb {bpb} "
                           f"tok/s {rec['tokens_per_s']:,.0f} TFLOP/s {flops_s / 1e12:.1f} "
-                          f"MFU {'-' if util is None else f'{100 * util:.1f}%'} elapsed {_clock(elapsed)} "
+                          f"MFU {'-' if util is None else f'{100 * util:.1f}%'}{loop}{peak} elapsed {_clock(elapsed)} "
                           f"ETA {eta}\n")
         self.stream.flush()
 

@@ -65,6 +65,7 @@ from nagmoe.train.schedule import injection_warmup, lr_multiplier
 from nagmoe.train.checkpoint_schedule import CheckpointSchedule, save_error
 from nagmoe.train.memory import eager_memory_refusal, micro_batch_rows, plan_loss_recompute
 from nagmoe.train.gc_control import LoopGC
+from nagmoe.train.loop_clock import LoopClock, peak_memory_gib
 from nagmoe.train.progress_log import ProgressLog
 from nagmoe.train.validation import validation_bpb
 from nagmoe.train.speed import compile_model, enable_activation_checkpointing, resolve_compile, sdpa_backends
@@ -155,6 +156,7 @@ class Trainer:
         self.routing = RouterAccounting()  # per step, per log interval, the expert bias's update
         # the metrics read after the optimizer step (issue 60, `_train_step`): None = on CUDA; True / False forces
         self.metrics_read_after: Optional[bool] = None
+        self.data_wait_s = 0.0  # the last step's wait for its batches (nagmoe/train/loop_clock.py)
         self.rundir = TrainerRunDir(run_dir, mesh, self._log)  # the order of every read and write: its docstring
         self.rundir.take_lease(take_over)
         try:
@@ -331,9 +333,12 @@ class Trainer:
         self.routing.begin_step()  # this step's routing, summed over its micro-batches
         # model.moe.lb_granularity=global_batch: the balance loss from the step's counts over every rank so far
         balance = GlobalBalance() if m.ffn == "moe" and m.moe.lb_granularity == "global_batch" else None
+        self.data_wait_s = 0.0
         for i in range(self.accum):
+            waited = time.perf_counter()
             x, y = next(self.loader)
             x, y = to_device(x, self.device), to_device(y, self.device)  # pinned, non-blocking on CUDA
+            self.data_wait_s += time.perf_counter() - waited
             # DDP all-reduces in the backward of the last micro-step only
             skip_sync = self.ddp is not None and i < self.accum - 1
             with self.ddp.no_sync() if skip_sync else nullcontext():
@@ -517,6 +522,7 @@ class Trainer:
         watchdog = start_watchdog(self.rank, t.hang_timeout_s, self.progress.step,  # a hang ends in bounded time
                                   board=board.start(self.progress.step) if board is not None else None)
         loop_gc = LoopGC(t.gc_every).__enter__()  # set-up frozen, collections every gc_every steps (gc_control.py)
+        clock = LoopClock()  # the loop's own time, per metrics line (loop_clock.py)
         try:
             while not self.should_stop():
                 if preemption.requested():  # all ranks agree; checkpoint, marker, raise Preempted (exit 75)
@@ -526,6 +532,7 @@ class Trainer:
                 flops_before = self.progress.flops
                 rec = self.train_step()
                 dt = time.perf_counter() - t0
+                clock.step_done(dt, self.data_wait_s)
                 watchdog.step_done(self.progress.step, dt)
                 fail_at_step_for_a_test(self.progress.step)
                 self.progress.wall_s = wall0 + time.perf_counter() - started
@@ -533,20 +540,24 @@ class Trainer:
                 logged = last or step % self.cfg.log.every == 0
                 router = self.routing.report(self.mesh.ep, self.model) if logged else None
                 rec = {"step": step, "tokens": self.progress.tokens, "flops": self.progress.flops,
-                       **rec, "tokens_per_s": t.batch_tokens / dt,
-                       **({"router": router} if router is not None else {})}
+                       **rec, **({"router": router} if router is not None else {})}
                 gate_stop = self._gate_check(rec)  # the gate-collapse alarm: a warning and metrics fields
                 if last or (t.eval_every and step % t.eval_every == 0):
                     with watchdog.phase("an evaluation"):
                         val_bpb = rec["val_bpb"] = self.evaluate(final=last)
-                if last or step % self.cfg.log.every == 0 or "val_bpb" in rec:
+                written = last or step % self.cfg.log.every == 0 or "val_bpb" in rec
+                timing = clock.line() if written else {"step_s": dt, "data_wait_s": self.data_wait_s}
+                peak = peak_memory_gib(self.device)
+                rec.update(timing, tokens_per_s=t.batch_tokens / timing["step_s"],
+                           **({"peak_memory_gib": peak} if peak is not None else {}))
+                if written:
                     self.fence()  # every rank: a lost lease stops them all before rank 0 writes
                     if metrics is not None:
                         metrics.write(rec)
                 if self.wandb is not None:
                     self.wandb.log(wandb_record(rec), step=step)
                 if progress_log is not None:
-                    progress_log.update(rec, self.progress.flops - flops_before, dt, last, val_bpb)
+                    progress_log.update(rec, self.progress.flops - flops_before, rec["step_s"], last, val_bpb)
                 save, milestone = self.checkpoint_schedule().due(step, self.progress.tokens, last or gate_stop)
                 if save:  # steps, minutes (rank 0's clock), milestones, the last step
                     with watchdog.phase("a checkpoint save"):
