@@ -208,7 +208,10 @@ class LogConfig:
     wandb: str = "off"  # off | offline | online | auto (online when credentials exist and the service answers)
     project: str = "nagmoe"
     every: int = 1
-    stats_every: int = 0  # depth statistics every N steps (0 = off)
+    # the metrics lines' router telemetry per layer at steps that are multiples of this (and the last); the lines
+    # between carry each per-layer list folded to its worst layer (nagmoe/train/router_accounting.py `compact`),
+    # so their size does not grow with depth; 0 = per layer on every logged line
+    stats_every: int = 0
 
 
 @dataclass

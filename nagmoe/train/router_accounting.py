@@ -1,5 +1,6 @@
 """The trainer's routing bookkeeping (issues 22 and 43): each optimizer step's routing summed over its
-micro-batches and over ranks with one all-reduce, the interval's telemetry read at log steps, and the loss-free
+micro-batches and over ranks with one all-reduce, the interval's telemetry read at log steps (per layer, or
+folded to the worst layer between log.stats_every steps), and the loss-free
 expert bias's once-per-step update from the step's global counts with its sign-flip statistic.
 
 Device tensors throughout; the only host reads are the log step's report and a checkpoint's extra state."""
@@ -54,15 +55,16 @@ class RouterAccounting:
             self.interval.note_bias_signs(signs, self.bias_signs)
         self.bias_signs = signs
 
-    def report(self, ep: int, model) -> Optional[dict]:
-        """The per-layer router report of the steps since the last one (nagmoe.model.router_health); one host
-        read, at log steps only. None without MoE."""
+    def report(self, ep: int, model, per_layer: bool = True) -> Optional[dict]:
+        """The router report of the steps since the last one (nagmoe.model.router_health); one host read, at log
+        steps only. None without MoE. `per_layer` False: each per-layer list folded to its worst layer
+        (`compact`), so a metrics line's size does not grow with depth (log.stats_every)."""
         if self.interval.empty:
             return None
         health = self.interval.report(ep, expert_biases(model))
         health.pop("load")  # the L x E matrix stays out of every log line (nagmoe analyze has it)
         self.interval = RouterTelemetry()
-        return health
+        return health if per_layer else compact(health)
 
     def extra_state(self) -> dict:
         """For the checkpoint's extra state: the last update's signs (a host read, at saves only)."""
@@ -70,3 +72,21 @@ class RouterAccounting:
 
     def load_extra_state(self, state: dict, model, where: str) -> None:
         self.bias_signs = saved_bias_signs(state, model, where)
+
+
+# How a per-layer list folds to one number on a compact line: the worst layer (or the total, for counts).
+WORST = {"entropy": min, "min_over_mean": min, "dead": sum, "bias_flip_share": max}
+
+
+def compact(health: dict) -> dict:
+    """The router report with every per-layer list folded to one number under the same key (the worst layer;
+    dead experts summed over layers), plus `layers` = how many were folded: the report's balance table reads
+    either form (a number is a list of one there)."""
+    out = {}
+    for key, value in health.items():
+        if isinstance(value, list):
+            out[key] = WORST.get(key, max)(value) if value else None
+            out["layers"] = len(value)
+        else:
+            out[key] = value
+    return out

@@ -109,6 +109,8 @@ def resolved_backends(model) -> dict:
 
 
 class Trainer:
+    progress_mode: Optional[str] = None  # `nagmoe train --progress`: auto | lines | off; None: off if quiet, else auto
+
     def __init__(self, cfg: Config, run_dir: str, accept_config_change: bool = False, take_over: bool = False,
                  start_over: bool = False, quiet: bool = False, rank: int = 0, world_size: int = 1,
                  mesh: Optional[ParallelMesh] = None, eager_memory_estimate: Optional[int] = None):
@@ -507,10 +509,12 @@ class Trainer:
         t = self.cfg.train
         metrics = MetricsWriter(self.run_dir) if self.rank == 0 else None
         progress_log = None  # a bar on a terminal, plain lines in a log file (nagmoe/train/progress_log.py)
-        if not self.quiet and self.rank == 0:
+        progress_mode = self.progress_mode or ("off" if self.quiet else "auto")
+        if progress_mode != "off" and self.rank == 0:
             device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
             progress_log = ProgressLog(t.max_steps, self.progress.step, device_name, self.world_size,
-                                       self.cfg.log.every)
+                                       self.cfg.log.every, tty=False if progress_mode == "lines" else None,
+                                       flop_budget=t.flop_budget)
         val_bpb = None
         self._schedule = None
         self.checkpoint_schedule()  # time-based saves count from here
@@ -538,7 +542,9 @@ class Trainer:
                 self.progress.wall_s = wall0 + time.perf_counter() - started
                 step, last = self.progress.step, self.should_stop()
                 logged = last or step % self.cfg.log.every == 0
-                router = self.routing.report(self.mesh.ep, self.model) if logged else None
+                stats = self.cfg.log.stats_every
+                per_layer = last or not stats or step % stats == 0  # else each list folded to its worst layer
+                router = self.routing.report(self.mesh.ep, self.model, per_layer) if logged else None
                 rec = {"step": step, "tokens": self.progress.tokens, "flops": self.progress.flops,
                        **rec, **({"router": router} if router is not None else {})}
                 gate_stop = self._gate_check(rec)  # the gate-collapse alarm: a warning and metrics fields
@@ -554,7 +560,7 @@ class Trainer:
                     self.fence()  # every rank: a lost lease stops them all before rank 0 writes
                     if metrics is not None:
                         metrics.write(rec)
-                if self.wandb is not None:
+                if self.wandb is not None and written:  # at the metrics lines' steps only (log.every)
                     self.wandb.log(wandb_record(rec), step=step)
                 if progress_log is not None:
                     progress_log.update(rec, self.progress.flops - flops_before, rec["step_s"], last, val_bpb)

@@ -80,3 +80,35 @@ def test_load_statistics_across_layers_equal_a_hand_computation():
     worst = sorted((counts.max(1).values / means).tolist())  # [1.0, 1.5, 2.0, 2.0, 3.25]
     assert (r["max_over_mean_p50"], r["max_over_mean_p90"], r["max_over_mean_max"]) == (worst[2], worst[4], worst[4])
     assert r["min_over_mean"][4] == 0.0 and r["dead"][4] == 1
+
+
+def test_between_stats_steps_a_line_folds_each_layer_list_to_its_worst_layer(micro_config, tmp_path):
+    """log.stats_every (issue 67 item 2): per-layer lists at its multiples and the last step; the lines between
+    carry one number per key (the worst layer; dead experts summed), so their size does not grow with depth."""
+    import json
+
+    from nagmoe.analysis.report_balance import balance_row
+    from nagmoe.rundir.metrics import read_metrics
+    from nagmoe.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    run_dir = str(tmp_path / "run")
+    cfg = micro_config("train.max_steps=3", "log.every=1", "log.stats_every=2", "train.hang_timeout_s=0")
+    Trainer(cfg, run_dir, quiet=True).run()
+    records = {r["step"]: r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))}
+    full, folded = records[2]["router"], records[1]["router"]
+    assert all(isinstance(v, list) for k, v in records[3]["router"].items() if not k.startswith("max_over_mean_"))
+    assert set(folded) == set(full) | {"layers"} and folded["layers"] == cfg.model.n_layers
+    assert not any(isinstance(v, list) for v in folded.values())
+    assert len(json.dumps(records[1])) < 1024
+    row = balance_row("run", [records[1]])  # the report's table reads a folded line too
+    assert row is not None and "-" not in row[1:6]
+
+
+def test_folding_takes_the_worst_layer_of_each_list():
+    from nagmoe.train.router_accounting import compact
+
+    health = {"entropy": [1.2, 0.4, 0.9], "max_over_mean": [1.1, 2.5, 1.3], "min_over_mean": [0.9, 0.2, 0.5],
+              "dead": [0, 2, 1], "max_over_mean_max": 2.5}
+    assert compact(health) == {"entropy": 0.4, "max_over_mean": 2.5, "min_over_mean": 0.2, "dead": 3,
+                               "max_over_mean_max": 2.5, "layers": 3}

@@ -46,3 +46,19 @@ def test_the_record_leaves_out_none_and_keeps_every_other_field():
     assert wandb_record(rec) == {"step": 3, "loss": 2.5,
                                  "router": {"entropy": {"layer_0": 1.0, "layer_1": 2.0}, "receive_peak_rows": 7.0}}
     assert wandb_record({"step": 1}) == {"step": 1}
+
+
+def test_wandb_is_written_at_the_metrics_lines_steps_only(micro_config, tmp_path, monkeypatch):
+    """Issue 67 item 2: W&B at log.every steps (and eval and last steps), as metrics.jsonl, not every step."""
+    from nagmoe.rundir.metrics import read_metrics
+    from nagmoe.train.trainer import Trainer
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    run_dir = str(tmp_path / "run")
+    cfg = micro_config("log.wandb=offline", "log.every=2", "train.max_steps=5", "train.hang_timeout_s=0")
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    steps, real_log = [], trainer.wandb.log
+    trainer.wandb.log = lambda data, *a, **kw: (steps.append(data["step"]), real_log(data, *a, **kw))
+    trainer.run()
+    assert steps == [r["step"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))] == [2, 4, 5]
