@@ -488,8 +488,8 @@ def write_report(run_dirs: list, out_dir: str, title: Optional[str] = None, desc
     depth_html, (depth_png, conf_png, router_png) = depth_section(groups, colours, fig_dir)
     dial_html, dial_png = dial_section(groups, nums, colours, fig_dir)
     mod_html, skip_png = mod_section(groups, nums, pairs, fig_dir)
-    made = {"loss_curves": loss_png, "val_bpb": bpb_png, "paired_differences": paired_png, "depth": depth_png, "confidence": conf_png,
-            "router_load": router_png, "compute_dial": dial_png, "mod_skip_depth": skip_png}
+    made = {"loss_curves": loss_png, "val_bpb": bpb_png, "paired_differences": paired_png, "depth": depth_png,
+            "confidence": conf_png, "router_load": router_png, "compute_dial": dial_png, "mod_skip_depth": skip_png}
     for name, path in made.items():  # a figure of an earlier render that has nothing to show now
         stale = os.path.join(fig_dir, f"{name}.png")
         if path is None and os.path.exists(stale):

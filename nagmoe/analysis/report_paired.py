@@ -102,7 +102,8 @@ def comparisons_html(pairs: list, stats: list, nums: dict, figure_html: str) -> 
         items = [f"verdict: {s['verdict']['text']}",
                  f"eval windows: {paired_line(s)}",
                  f"seeds: val bpb difference ({pair.variant} - {pair.reference}) "
-                 f"{'n/a' if s['seeds']['diff'] is None else format(s['seeds']['diff'], '+.4f')} — {s['seeds']['text']}"]
+                 f"{'n/a' if s['seeds']['diff'] is None else format(s['seeds']['diff'], '+.4f')} — "
+                 f"{s['seeds']['text']}"]
         items += [f"seed {p['seed']}: " + (f"not paired: {p['not_paired']}" if "not_paired" in p else
                                            f"{p['difference_bpb']:+.4f} bpb [{p['ci95_bpb'][0]:+.4f}, "
                                            f"{p['ci95_bpb'][1]:+.4f}]")
@@ -138,6 +139,7 @@ def figure_rows(pairs: list, stats: list) -> list:
         diff = p["difference_bpb"] if p else seeds.get("diff")
         if diff is None:
             continue
-        rows.append((f"{pair.variant} - {pair.reference}" + ("" if p else " (not paired)"), diff, p["ci95_bpb"] if p else None,
+        label = f"{pair.variant} - {pair.reference}" + ("" if p else " (not paired)")
+        rows.append((label, diff, p["ci95_bpb"] if p else None,
                      seeds.get("two_se")))
     return rows

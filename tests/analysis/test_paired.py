@@ -111,11 +111,15 @@ def test_tokens_to_resolve_scale_as_the_inverse_square_of_the_claim():
     assert 1.959963984540054 * p["se_nats_per_token"] * math.sqrt(p["tokens"] / big) == pytest.approx(0.01)
 
 
+SEEDS_RESOLVE = {"inside_noise": False, "two_se": 0.005, "diff": -0.015}
+SEEDS_DO_NOT = {"inside_noise": True, "two_se": 0.05, "diff": -0.015}
+
+
 @pytest.mark.parametrize("windows_ci, seeds, expected", [
-    ([-0.02, -0.01], {"inside_noise": False, "two_se": 0.005, "diff": -0.015}, "resolved by the windows and the seeds"),
-    ([-0.02, -0.01], {"inside_noise": True, "two_se": 0.05, "diff": -0.015}, "resolved by the windows, not by the seeds"),
-    ([-0.02, 0.01], {"inside_noise": False, "two_se": 0.005, "diff": -0.015}, "resolved by the seeds, not by the windows"),
-    ([-0.02, 0.01], {"inside_noise": True, "two_se": 0.05, "diff": -0.015}, "resolved by neither"),
+    ([-0.02, -0.01], SEEDS_RESOLVE, "resolved by the windows and the seeds"),
+    ([-0.02, -0.01], SEEDS_DO_NOT, "resolved by the windows, not by the seeds"),
+    ([-0.02, 0.01], SEEDS_RESOLVE, "resolved by the seeds, not by the windows"),
+    ([-0.02, 0.01], SEEDS_DO_NOT, "resolved by neither"),
     ([-0.02, -0.01], {"inside_noise": None, "diff": -0.015}, "resolved by the windows: nag ahead"),
 ])
 def test_the_verdict_names_what_resolves_the_difference(windows_ci, seeds, expected):
