@@ -17,7 +17,10 @@ def add_arguments(p):
     add_config_arguments(p)
     p.add_argument("--run-dir", default=None, help="run directory (default: runs/<config name>)")
     add_train_permissions(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no start-up lines and no progress (unless --progress)")
+    p.add_argument("--progress", choices=("auto", "lines", "off"), default=None,
+                   help="auto: a bar on a terminal, plain lines otherwise (the default, 'off' under --quiet); "
+                        "lines: plain '[nagmoe] step ...' lines (job scripts); off: none")
 
 
 def run(args) -> int:
@@ -31,6 +34,8 @@ def run(args) -> int:
     run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
     with launched_process_group(cfg) as (env, device):
         mesh = ParallelMesh.build(cfg, env.rank, env.world_size, env.local_rank, device.type)
-        Trainer(cfg, run_dir, accept_config_change=args.accept_config_change, take_over=args.take_over,
-                start_over=args.start_over, quiet=args.quiet, mesh=mesh).run()
+        trainer = Trainer(cfg, run_dir, accept_config_change=args.accept_config_change, take_over=args.take_over,
+                          start_over=args.start_over, quiet=args.quiet, mesh=mesh)
+        trainer.progress_mode = args.progress
+        trainer.run()
     return 0

@@ -252,10 +252,12 @@ def expected_argv(name, run_dir, runs_root, description):
     """What the launcher stand-in must receive, literally, from each script."""
     run_dir, exp_out = os.path.abspath(run_dir), os.path.join(os.path.abspath(runs_root), "exp")
     if name == "train":
-        return "srun", {"--run-dir": run_dir, "--config": os.path.join(run_dir, "slurm", "config.yaml")}
+        # plain progress lines in the job log (issue 67 item 7)
+        return "srun", {"--run-dir": run_dir, "--config": os.path.join(run_dir, "slurm", "config.yaml"),
+                        "--progress": "lines"}
     if name == "exp_train":
         run = os.path.join(exp_out, "nag-s0")
-        return "srun", {"--run-dir": run, "--config": Pinned(run)}
+        return "srun", {"--run-dir": run, "--config": Pinned(run), "--progress": "lines"}
     if name == "preflight":
         return "srun", {"--dir": os.path.join(run_dir, "preflight")}
     if name.startswith("prepare_"):

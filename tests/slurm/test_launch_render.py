@@ -85,7 +85,7 @@ def test_dry_run_4_nodes_x_8_gpus_renders_the_torchrun_launch(repo_root, tmp_pat
     assert argv[launcher + 1:] == [
         "--nnodes", "4", "--nproc_per_node", "8", "--rdzv_backend", "c10d", "--rdzv_endpoint", "gpu01:21234",
         "--rdzv_id", "1234", "-m", "nagmoe", "train", "--config", str(run_dir / "slurm" / f"config-{sha[:12]}.yaml"),
-        "--run-dir", str(run_dir), "--quiet", "--config-sha256", sha]
+        "--run-dir", str(run_dir), "--quiet", "--progress", "lines", "--config-sha256", sha]
     assert not (tmp_path / "srun.log.scontrol").exists()  # no marker: no requeue
 
 

@@ -45,7 +45,15 @@ def test_submit_cpu_mode_two_ranks_trains_to_summary(slurm_cluster, micro_yaml, 
     with open(os.path.join(run, "run_info.json")) as f:
         assert json.load(f)["world_size"] == 2  # torchrun started 2 ranks on the node
     assert logged_steps(run) == list(range(1, 21))
-    assert "1 node(s) x 2 rank(s)" in open(log).read()
+    text = open(log).read()
+    assert "1 node(s) x 2 rank(s)" in text
+    # the job log shows progress (issue 67 item 7): plain lines from rank 0, the first and last step at least, each
+    # with an ETA, throttled (log.every=1 here, at most one line per 10 s between them), no tqdm frames
+    progress = [ln for ln in text.splitlines() if ln.startswith("[nagmoe] step ")]
+    assert progress and progress[0].startswith("[nagmoe] step 1/20 ") and \
+        progress[-1].startswith("[nagmoe] step 20/20 "), text[-3000:]
+    assert all(" ETA " in ln for ln in progress) and len(progress) < 20, progress
+    assert "\r" not in text
 
 
 @pytest.mark.scale  # CI runs the same path on two hosts (test_multihost.py's preemption test); issue 50 item 4

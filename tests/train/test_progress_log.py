@@ -40,3 +40,53 @@ def test_a_line_per_interval_and_the_eta(tmp_path):
     assert [ln.split()[2] for ln in lines] == ["1/10", "2/10", "4/10", "6/10", "8/10", "10/10"]
     assert "MFU 50.0%" in lines[0]  # 989 TFLOP/s over two H100s
     assert lines[-1].endswith("ETA 0:00:00")
+
+
+def test_a_run_that_stops_on_its_flop_budget_has_an_eta(monkeypatch):
+    """Issue 67 item 7: the paper configs stop on train.flop_budget; the ETA is the time per FLOP since this process
+    started (a resumed run: from its first step here) times the FLOPs left; with max_steps too, the sooner."""
+    import io
+
+    from nagmoe.train import progress_log
+
+    clock = [100.0]
+    monkeypatch.setattr(progress_log.time, "monotonic", lambda: clock[0])
+
+    def lines_of(max_steps):
+        stream = io.StringIO()
+        log = ProgressLog(max_steps, 2, "cpu", stream=stream, tty=False, min_interval_s=0.0, flop_budget=10e15)
+        for step in range(3, 11):  # resumed at step 2 (2e15 FLOPs done before); 1 s and 1e15 FLOPs a step
+            clock[0] += 1.0
+            rec = {"step": step, "loss": 2.0, "tokens_per_s": 1000.0, "flops": step * 1e15}
+            log.update(rec, step_flops=1e15, step_seconds=1.0, last=step == 10, val_bpb=None)
+        return stream.getvalue().splitlines()
+
+    lines = lines_of(None)
+    assert [ln.split()[2] for ln in lines] == [str(s) for s in range(3, 11)]  # no "/total" without max_steps
+    assert [ln.split("ETA ")[1] for ln in lines] == [f"0:00:{10 - s:02d}" for s in range(3, 11)], lines
+    sooner = lines_of(6)  # max_steps 6 comes before the budget's step 10
+    assert [ln.split("ETA ")[1] for ln in sooner[:4]] == ["0:00:03", "0:00:02", "0:00:01", "0:00:00"], sooner
+
+
+def test_a_quiet_run_asked_for_lines_logs_the_flop_budget_eta(micro_config, tmp_path, capsys):
+    """`nagmoe train --quiet --progress lines` (what launch/train.sbatch runs) on a run that stops on its FLOP
+    budget (4 steps' worth, no max_steps): plain lines, no "/total", an ETA from the first line on."""
+    import torch
+
+    from nagmoe.cli import main
+    from nagmoe.config.flops import flops_per_token
+
+    cfg = micro_config("train.max_steps=null")
+    step_flops = flops_per_token(cfg.model, cfg.data.seq_len, None, cfg.train.flop_convention) * cfg.train.batch_tokens
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(dump_yaml(micro_config("train.max_steps=null", f"train.flop_budget={4 * step_flops!r}")))
+    torch.set_num_threads(1)
+    capsys.readouterr()
+    assert main(["train", "--config", str(cfg_path), "--run-dir", str(tmp_path / "run"), "--quiet",
+                 "--progress", "lines"]) == 0
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("[nagmoe] step ")]
+    assert lines and lines[0].startswith("[nagmoe] step 1 ") and lines[-1].startswith("[nagmoe] step 4 "), \
+        err[-2000:]
+    assert all(" ETA -" not in ln for ln in lines) and lines[-1].endswith(" ETA 0:00:00"), lines
+    assert "[nagmoe] device " not in err and "\r" not in err  # --quiet's start-up lines stay off
