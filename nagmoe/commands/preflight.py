@@ -1,6 +1,7 @@
 """`nagmoe preflight --dir DIR [--steps N] [--gpu-memory GB]`: one rank's part of a preflight job (written and
 submitted by `nagmoe launch slurm --preflight`; run under torchrun like `nagmoe train`): a bandwidth probe, N
-training steps of DIR/slurm/config.yaml in DIR/run, a save and a resume, peak memory against the estimate.
+training steps of DIR/slurm/config.yaml in DIR/run, a save and a resume, peak memory against the estimate; a
+MoD config skips from its first step and is timed beside the same model at full depth (DIR/run-full-depth).
 Rank 0 writes DIR/summary.json and prints the verdict (nagmoe/train/preflight.py); exit 1 when a check fails."""
 import os
 

@@ -24,6 +24,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    from nagmoe.data.corpus import check_data_preparable
     from nagmoe.parallel.mesh import ParallelMesh
     from nagmoe.train.trainer import Trainer
 
@@ -31,6 +32,7 @@ def run(args) -> int:
     check_start_settings(announce=True)  # NAGMOE_* settings and job variables: one line, before any write
     check_config_sha256(args.config, args.config_sha256)  # a job's acceptance holds for its submitted config only
     cfg = config_from_args(args)
+    check_data_preparable(cfg, args.config)  # unprepared data that cannot be prepared here: one line, exit 2
     run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
     with launched_process_group(cfg) as (env, device):
         mesh = ParallelMesh.build(cfg, env.rank, env.world_size, env.local_rank, device.type)

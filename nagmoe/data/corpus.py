@@ -15,6 +15,11 @@
   `HF_HUB_OFFLINE`/`HF_DATASETS_OFFLINE` set (or no network) this is a `UserError`.
 Documents that are empty after stripping whitespace are skipped.
 
+`check_data_preparable` (issue 67; `nagmoe config` and `nagmoe train`): where `data.data_dir` holds no prepared
+index, a `data.corpus` this machine cannot prepare (`corpus_unpreparable`: unresolvable here, a hub name that is
+not an `org/name` id, no `datasets` to stream it, or a hub that does not answer that it has it) is one line
+naming docs/paper-corpus.md's command; prepared data never needs the corpus, so it is not looked at then.
+
 The validation split is decided per document by hashing its text (`is_val_document`), so it is
 deterministic, independent of reading order and slicing, and exact duplicates always land on the same side.
 
@@ -30,13 +35,16 @@ import importlib.util
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 from nagmoe.base.errors import UserError
 
 # file suffix -> `datasets` packaged builder
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HUB_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")  # the hub's org/name dataset ids
+HUB_TIMEOUT_S = 10.0  # the one hub request of the check (a dataset's metadata)
+PREPARE_DOC = "docs/paper-corpus.md"
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,67 @@ def resolve_corpus(corpus: str, text_field: str = "text") -> Corpus:
         raise UserError(f"data.corpus: '{corpus}' is not a local path and the Hugging Face hub is offline "
                         f"({'/'.join(HUB_OFFLINE_VARS)} set); use 'shakespeare' or a local path")
     return Corpus("hub", corpus, (), text_field)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Can this machine prepare it? (`nagmoe config`, `nagmoe train`)
+# ----------------------------------------------------------------------------------------------------------
+def hub_has_dataset(name: str, timeout: float = HUB_TIMEOUT_S) -> Optional[str]:
+    """The check's network boundary: None when the Hugging Face hub answers that it has dataset `name`, else
+    why not (no such dataset, or no answer within `timeout`)."""
+    try:
+        from huggingface_hub import HfApi
+        from huggingface_hub.utils import RepositoryNotFoundError
+    except ImportError:
+        return "no huggingface_hub package to reach the hub"
+    try:
+        HfApi().dataset_info(name, timeout=timeout)
+    except RepositoryNotFoundError:
+        return "the Hugging Face hub has no such dataset"
+    except Exception as e:  # offline mode, no network, a timeout, an HTTP error
+        return f"the Hugging Face hub did not answer ({type(e).__name__})"
+    return None
+
+
+def corpus_unpreparable(corpus: str, text_field: str = "text") -> Optional[str]:
+    """Why `nagmoe prepare-data` could not read `data.corpus` on this machine, or None when it could (as far as
+    can be told without reading it): the offline corpus or local files that exist, or a hub `org/name` id that
+    the hub answers it has (one metadata request, only for such an id with `datasets` installed and the hub not
+    declared offline). A bare name such as `climbmix` is never taken for a hub dataset."""
+    try:
+        resolved = resolve_corpus(corpus, text_field)
+    except UserError as e:
+        return str(e)
+    except (OSError, ValueError) as e:  # a value no path function takes (a NUL byte, ...)
+        return f"not a readable path ({type(e).__name__})"
+    if resolved.kind != "hub":
+        return None
+    if not HUB_ID.fullmatch(corpus):
+        return "not a local path, and not a hub dataset id (org/name)"
+    if importlib.util.find_spec("datasets") is None:
+        return "a hub dataset, and this machine has no `datasets` package to stream it"
+    return hub_has_dataset(corpus)
+
+
+def check_data_preparable(cfg, config_path: str) -> None:
+    """`nagmoe config` / `nagmoe train`: a UserError (exit 2, one line) when `data.data_dir` holds no prepared
+    index and this machine cannot prepare `data.corpus` (`corpus_unpreparable`); nothing when the data is
+    prepared, whatever data.corpus says (training reads the shards only)."""
+    from nagmoe.base.errors import shown
+    from nagmoe.data.shards import INDEX
+
+    d = cfg.data
+    if os.path.isfile(os.path.join(d.data_dir, INDEX)):
+        return
+    why = corpus_unpreparable(d.corpus, d.text_field)
+    if why is None:
+        return
+    why = why if len(why) <= 300 else why[:297] + "..."
+    raise UserError(f"data.corpus={shown(d.corpus)} cannot be prepared here ({why}) and data.data_dir="
+                    f"{shown(d.data_dir)} holds no prepared data: prepare local files as {PREPARE_DOC} says, "
+                    f"`nagmoe prepare-data --config {shown(config_path)} data.corpus=FILES data.data_dir=DIR` "
+                    f"(FILES: .parquet/.jsonl/.txt files, a folder or a quoted glob), then train with the same "
+                    f"data.data_dir")
 
 
 # ----------------------------------------------------------------------------------------------------------
