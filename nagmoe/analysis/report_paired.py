@@ -86,9 +86,10 @@ def claim_line(stats: dict) -> Optional[str]:
         return None
     resolves = 1.959963984540054 * p["se_nats_per_token"]
     need = c["tokens_to_resolve"]
-    verdict_ = "resolved" if c["nats_per_token"] > resolves else "not resolved"
-    return (f"{c['text']} is {verdict_} by these windows, which resolve {resolves:.5f} nats/token (95%); at this "
-            f"sample's per-token noise resolving it takes ~{need:,.0f} tokens" if need is not None else None)
+    would = "would" if c["nats_per_token"] > resolves else "would not"
+    return (f"a difference the size of {c['text']} {would} be resolved by these windows, which resolve "
+            f"{resolves:.5f} nats/token (95%); at this sample's per-token noise it needs ~{need:,.0f} tokens"
+            if need is not None else None)
 
 
 def comparisons_html(pairs: list, stats: list, nums: dict, figure_html: str) -> str:
