@@ -24,7 +24,7 @@ sys.path.insert(0, REPO)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from nagmoe.analysis.paired import LN2, Z95, paired_difference  # noqa: E402
+from nagmoe.analysis.paired import LN2, Z95, paired_difference, ratio_and_se  # noqa: E402
 from nagmoe.data.eval_sample import eval_window_ids  # noqa: E402
 from nagmoe.eval.val_windows import WindowLosses  # noqa: E402
 
@@ -55,11 +55,8 @@ def subset(losses: WindowLosses, ids: np.ndarray) -> WindowLosses:
 def unpaired_se(a: WindowLosses, b: WindowLosses) -> float:
     """se of bpb_B - bpb_A if the two had been scored on independent samples: each run's own delta-method error
     over its windows (the document-to-document variation included), combined in quadrature."""
-    def se(w):
-        d, den = w.nats / LN2, w.bytes.astype(np.float64)
-        r = d.sum() / den.sum()
-        resid = d - r * den
-        return math.sqrt(len(d) / (len(d) - 1) * float(resid @ resid)) / den.sum()
+    def se(w):  # the run's own bpb error over its windows (the document-to-document variation included)
+        return ratio_and_se(w.nats / LN2, w.bytes.astype(np.float64))[1]
     return math.sqrt(se(a) ** 2 + se(b) ** 2)
 
 
@@ -97,7 +94,7 @@ def main(argv=None) -> int:
                    "se_nats_per_token": p["se_nats_per_token"], "resolves_bpb": Z95 * p["se_bpb"]}
             result["pairs"].append(row)
             print(f"{name:<34} {label:<22} {p['windows']:>7} {p['tokens']:>8,} {p['difference_bpb']:>+9.4f} "
-                  f"{p['se_bpb']:>9.4f} {u:>11.4f} {u / p['se_bpb']:>6.1f}")
+                  f"{p['se_bpb']:>9.4f} {u:>11.4f} {u / p['se_bpb'] if p['se_bpb'] else float('inf'):>6.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

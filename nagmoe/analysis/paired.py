@@ -59,7 +59,7 @@ def common_windows(a, b) -> tuple[np.ndarray, np.ndarray]:
     return ia, ib
 
 
-def _ratio(d: np.ndarray, den: np.ndarray) -> tuple[float, float]:
+def ratio_and_se(d: np.ndarray, den: np.ndarray) -> tuple[float, float]:
     """(Σd / Σden, its delta-method standard error over the n units)."""
     n, total = len(d), float(den.sum())
     estimate = float(d.sum()) / total
@@ -100,8 +100,8 @@ def paired_difference(seed_pairs: list) -> dict:
     """The pooled paired difference B - A over the windows every (reference A, variant B) pair of `seed_pairs`
     scored (one pair per seed). NotPaired when they share fewer than two windows."""
     nats_d, n_bytes, n_tokens, ref_nats, var_nats = _aligned(seed_pairs)
-    diff, se = _ratio(nats_d / LN2, n_bytes)
-    diff_tok, se_tok = _ratio(nats_d, n_tokens) if n_tokens.sum() > 0 else (float("nan"), float("nan"))
+    diff, se = ratio_and_se(nats_d / LN2, n_bytes)
+    diff_tok, se_tok = ratio_and_se(nats_d, n_tokens) if n_tokens.sum() > 0 else (float("nan"), float("nan"))
     half, denom = Z95 * se, LN2 * float(n_bytes.sum())
     return {"difference_bpb": diff, "ci95_bpb": [diff - half, diff + half], "se_bpb": se, "resolves_bpb": half,
             "windows": int(len(nats_d)), "tokens": int(n_tokens.sum()), "bytes": int(n_bytes.sum()),
