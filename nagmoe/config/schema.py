@@ -136,6 +136,9 @@ class DataConfig:
     num_proc: int = 1
     shard_tokens: int = 1 << 24
     verify_shards: bool = True  # sha256 of every shard at open; false = sizes only (huge corpora)
+    # training batches read this many ahead by a thread while the step runs (nagmoe/data/prefetch.py); the same
+    # batches either way; 0 = off, read in place (a saved config without the key reads 0, LEGACY_VALUES)
+    prefetch: int = 2
 
 
 @dataclass
@@ -267,7 +270,7 @@ NON_NEGATIVE = (
     "train.eval_every", "train.weight_decay", "train.grad_clip", "log.stats_every", "train.gate_collapse_every",
     "model.moe.lb_loss_weight", "model.moe.z_loss_weight", "train.seed", "train.lr_matrix", "train.lr_embed",
     "train.lr_unembed", "train.lr_scalar", "train.lr_gate", "train.lr_router", "train.hang_timeout_s",
-    "train.gc_every",
+    "train.gc_every", "data.prefetch",
 )
 # Keys added after runs existed, with the value that reproduces the behaviour of a run dir whose saved config
 # predates them (the migration rule: new runs get the default, an old run dir resumes as it was).
@@ -289,6 +292,7 @@ LEGACY_VALUES = {
     "train.eval_sample": "first",
     "train.eval_tokens_during": None,
     "train.gc_every": 0,
+    "data.prefetch": 0,
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract; also switchable
 # mid-run: logging, checkpoint timing and keeping, the export at the end, and the expert bias's rate (0 freezes
@@ -297,7 +301,7 @@ RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "t
                   "train.keep_checkpoints", "log.wandb", "train.checkpoint_every_minutes",
                   "train.keep_milestone_every_tokens", "train.export_hf_at_end", "model.moe.bias_update_rate",
                   "train.hang_timeout_s", "train.eval_tokens_during", "train.eval_sample",
-                  "train.gc_every")
+                  "train.gc_every", "data.prefetch")
 # Keys of the parallel layout that may change too (issue 25): the torch engine reshards a checkpoint on load
 # (nagmoe.checkpoint.torch_layout), so a run resumes on another world size, EP degree or micro-batch; the
 # global batch (train.batch_tokens) may not change. train.compile (issue 26) changes how the step runs, not

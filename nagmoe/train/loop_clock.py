@@ -7,7 +7,8 @@ logs), so that every second of the loop is counted once:
                write;
   data_wait_s  time the step waited for its batches (the loader's read and the copy to the device);
   loop_s       step_s minus the step's own compute (forward, backward, optimizer: the step's time without the
-               data wait): the loop's bookkeeping, which on a cluster every rank pays at every step.
+               data wait), so the data wait included: the loop's own time, which on a cluster every rank pays at
+               every step.
 `tokens_per_s` (and so MFU) is then the global batch over step_s: throughput of the whole loop, not of the step
 alone. Steps between lines (log.every > 1) carry their own step and data time only (the terminal bar, W&B).
 On CUDA, `peak_memory_gib` is the allocator's peak since the start (torch.cuda.max_memory_allocated).

@@ -31,6 +31,7 @@ import torch
 from nagmoe.config import Config
 from nagmoe.data import shards
 from nagmoe.data.loader import TokenLoader, TokenShards, check_data_vocab
+from nagmoe.data.prefetch import PrefetchLoader
 from nagmoe.data.bpb import token_bytes
 from nagmoe.base.errors import UserError, warn
 from nagmoe.config.flops import flops_per_token
@@ -206,8 +207,12 @@ class Trainer:
                 self.optim = build_optimizers(self.model, t, replication=muon_replication(mesh, self.expert_names))
             verify = cfg.data.verify_shards
             # the epoch's skipped tail is per optimizer step, so every rank/micro-batch split sees the same tokens
-            self.loader = TokenLoader(cfg.data.data_dir, "train", seq, self.micro_rows, t.seed, rank, world_size,
-                                      verify=verify, step_rows=self.global_rows)
+            # ... read data.prefetch batches ahead by a thread (pinned on CUDA): the same batches, and the position
+            # saved is the one consumed (nagmoe/data/prefetch.py); Trainer.run closes it
+            self.loader = self._prefetch = PrefetchLoader(
+                TokenLoader(cfg.data.data_dir, "train", seq, self.micro_rows, t.seed, rank, world_size,
+                            verify=verify, step_rows=self.global_rows),
+                depth=cfg.data.prefetch, pin=self.device.type == "cuda", device=self.device)
             self.val_shards = TokenShards(cfg.data.data_dir, "val", verify=verify)
             self.token_bytes = token_bytes(cfg.data.data_dir)
             self.progress = Progress()
@@ -503,6 +508,7 @@ class Trainer:
             with self.precision.scope():  # CUDA's rules on the CPU, when asked for: the whole run
                 return self._run()
         finally:
+            self._prefetch.close()  # no prefetch thread left, however the run ends
             self.release_lease()
 
     def _run(self) -> dict:
