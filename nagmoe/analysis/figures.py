@@ -262,7 +262,7 @@ def paired_differences(rows: list, path: str) -> Optional[str]:
     if not rows:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 0.7 + 0.55 * len(rows)))
+    fig, ax = plt.subplots(figsize=(7.5, 1.3 + 0.55 * len(rows)))
     entries = []
     for i, (label, diff, ci, seed_half) in enumerate(rows):
         y = len(rows) - 1 - i
@@ -285,5 +285,5 @@ def paired_differences(rows: list, path: str) -> Optional[str]:
         text.set_parse_math(False)
     ax.set_xlabel("val bpb difference (variant - reference; < 0: variant ahead)")
     ax.set_ylim(-0.6, len(rows) - 0.4)
-    legend(ax, entries, fontsize=8, loc="best")
+    legend(ax, entries, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=2)  # below: no bar hidden
     return _save(fig, path)
