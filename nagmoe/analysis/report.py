@@ -175,6 +175,9 @@ def results(groups, nums, unigram) -> str:
     else:
         out.append(para("One seed per run: no seed spread is measured (add seeds to the experiment to get mean ± sd).",
                         "note"))
+    out.append(para("Final val bpb: the final eval's sample, train.eval_tokens of windows strided over the whole "
+                    "validation split (runs from before issue 66: the split's first windows); the comparisons below "
+                    "pair the runs window by window on it.", "note"))
     out.append(para("Eval: offline Shakespeare next-line task (pick the true next line among 4; chance 0.25; "
                     "report.json also has the centred accuracy (acc - 0.25) / 0.75), not CORE.", "note"))
     return "\n".join(out)
