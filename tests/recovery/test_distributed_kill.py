@@ -15,6 +15,7 @@ from nagmoe.parallel.env import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, dist_timeout_s
 from nagmoe.checkpoint import latest_valid_checkpoint
 from trainer_processes import (
     SHORT_STEPS,
+    TIMING_KEYS,
     clean_env,
     comparable,
     free_port,
@@ -31,7 +32,7 @@ from trainer_processes import (
     wait_for,
 )
 
-NO_FINAL_EVAL = ("tokens_per_s", "val_bpb")
+NO_FINAL_EVAL = (*TIMING_KEYS, "val_bpb")
 
 
 @pytest.mark.distributed

@@ -16,6 +16,7 @@ from nagmoe.checkpoint import MANIFEST, STATE, latest_valid_checkpoint
 from nagmoe.train.preemption import EXIT_PREEMPTED, read_marker
 from trainer_processes import (
     SHORT_STEPS,
+    TIMING_KEYS,
     comparable,
     last_logged_step,
     logged_steps,
@@ -31,7 +32,7 @@ from trainer_processes import (
     wait_for,
 )
 
-NO_FINAL_EVAL = ("tokens_per_s", "val_bpb")  # a stopped run evaluates at its own last step
+NO_FINAL_EVAL = (*TIMING_KEYS, "val_bpb")  # a stopped run evaluates at its own last step
 
 
 def assert_preempted_at(run_dir, reason):
