@@ -29,7 +29,8 @@ def overrides(mode: str, data_dir: str) -> list[str]:
             f"train.batch_tokens={s['batch_tokens']}", "model.mod.start_tokens=0",
             *([f"train.micro_batch_tokens={s['micro_batch_tokens']}"] if "micro_batch_tokens" in s else []),
             f"model.nag.warmup_tokens={WARMUP_STEPS[mode] * s['batch_tokens']}", "train.warmup_steps=2",
-            "log.wandb=off", "train.eval_every=0", "train.checkpoint_every=0", f"train.eval_tokens={s['eval_tokens']}"]
+            "log.wandb=off", "log.every=1", "train.eval_every=0", "train.checkpoint_every=0",
+            f"train.eval_tokens={s['eval_tokens']}"]  # log.every=1: each step's loss (the paper configs log every 10)
 
 
 def load(name: str, extra: list[str]):

@@ -28,7 +28,7 @@ FIRST, LAST = 2, 4  # phase 1 trains and saves steps 1-2; phase 2 resumes and tr
 REHEARSAL = ("data.seq_len=128", "train.batch_tokens=512", "train.micro_batch_tokens=256", "parallel.ep=2",
              "log.wandb=off", "train.eval_every=0", "train.eval_tokens=2048", "train.checkpoint_every=2",
              "train.keep_checkpoints=2", "model.nag.warmup_tokens=512", "data.num_proc=2", "data.val_fraction=0.05",
-             "train.device=cpu")
+             "train.device=cpu", "log.every=1")  # every step a metrics line (the paper configs log every 10)
 MOD = ("model.mod.start_tokens=512",)
 
 
