@@ -87,13 +87,13 @@ def _aligned(seed_pairs: list) -> tuple:
             raise NotPaired("a run lacks windows the others share")
         return pos
 
-    if int(ref0.bytes[at(ref0)].sum()) == 0:
+    at0 = at(ref0)
+    if int(ref0.bytes[at0].sum()) == 0:
         raise NotPaired("the common windows hold no text (0 bytes)")
     ref_nats = [a.nats[at(a)] for a, _ in seed_pairs]
     var_nats = [b.nats[at(b)] for _, b in seed_pairs]
     nats_d = np.mean([vb - va for va, vb in zip(ref_nats, var_nats)], axis=0)
-    return (nats_d, ref0.bytes[at(ref0)].astype(np.float64), ref0.tokens[at(ref0)].astype(np.float64), ref_nats,
-            var_nats)
+    return nats_d, ref0.bytes[at0].astype(np.float64), ref0.tokens[at0].astype(np.float64), ref_nats, var_nats
 
 
 def paired_difference(seed_pairs: list) -> dict:

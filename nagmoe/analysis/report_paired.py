@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 from typing import Optional
 
-from nagmoe.analysis.paired import NotPaired, paired_difference, tokens_to_resolve, verdict
+from nagmoe.analysis.paired import Z95, NotPaired, paired_difference, tokens_to_resolve, verdict
 from nagmoe.analysis.references import CLAIMS
 from nagmoe.analysis.report_data import accuracy_noise, mean_sd, noise_statement
 
@@ -84,7 +84,7 @@ def claim_line(stats: dict) -> Optional[str]:
     c, p = stats.get("claim"), stats["paired"]
     if not c or p is None:
         return None
-    resolves = 1.959963984540054 * p["se_nats_per_token"]
+    resolves = Z95 * p["se_nats_per_token"]
     need = c["tokens_to_resolve"]
     would = "would" if c["nats_per_token"] > resolves else "would not"
     return (f"a difference the size of {c['text']} {would} be resolved by these windows, which resolve "

@@ -26,6 +26,7 @@ import torch
 
 from nagmoe.base.errors import UserError, shown
 from nagmoe.base.files import NUMBER, atomic_writer, expect, expect_object, read_json
+from nagmoe.data.bpb import bits_per_byte
 from nagmoe.data.eval_sample import SAMPLES, sample_fingerprint
 from nagmoe.rundir.names import EVAL_WINDOWS_FILE
 
@@ -55,8 +56,7 @@ class WindowLosses:
 
     @property
     def bpb(self) -> float:
-        n_bytes = int(self.bytes.sum())
-        return float(self.nats.sum()) / (math.log(2) * n_bytes) if n_bytes else float("nan")
+        return bits_per_byte(float(self.nats.sum()), int(self.bytes.sum()))
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "split": self.split, "data_fingerprint": self.data_fingerprint,
@@ -67,7 +67,7 @@ class WindowLosses:
 
 
 class WindowAccumulator:
-    """Collects per-window sums batch by batch; `result` sorts them by window id."""
+    """Collects per-window sums batch by batch; `merge` sorts every rank's by window id."""
 
     def __init__(self, token_bytes_V: torch.Tensor):
         self.token_bytes_V = token_bytes_V
@@ -78,10 +78,12 @@ class WindowAccumulator:
         nbytes_BT = self.token_bytes_V.to(y_BT.device)[y_BT]
         counted_BT = nbytes_BT > 0
         nats_B = torch.where(counted_BT, loss_BT.double(), 0.0).sum(dim=1)
+        # one copy to the host: byte and token counts are exact in float64
+        sums_3B = torch.stack([nats_B, nbytes_BT.sum(dim=1).double(), counted_BT.sum(dim=1).double()]).cpu().numpy()
         self.ids.append(np.asarray(ids, dtype=np.int64))
-        self.nats.append(nats_B.cpu().numpy())
-        self.bytes.append(nbytes_BT.sum(dim=1).cpu().numpy().astype(np.int64))
-        self.tokens.append(counted_BT.sum(dim=1).cpu().numpy().astype(np.int64))
+        self.nats.append(sums_3B[0])
+        self.bytes.append(sums_3B[1].astype(np.int64))
+        self.tokens.append(sums_3B[2].astype(np.int64))
 
     def columns(self) -> tuple:
         """(ids, nats, bytes, tokens) of what was added here (one rank's share)."""

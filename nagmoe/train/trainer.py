@@ -557,7 +557,7 @@ class Trainer:
                 if last or (t.eval_every and step % t.eval_every == 0):
                     with watchdog.phase("an evaluation"):
                         val_bpb = rec["val_bpb"] = self.evaluate(final=last)
-                written = last or step % self.cfg.log.every == 0 or "val_bpb" in rec
+                written = logged or "val_bpb" in rec
                 timing = clock.line() if written else {"step_s": dt, "data_wait_s": self.data_wait_s}
                 peak = peak_memory_gib(self.device)
                 rec.update(timing, tokens_per_s=t.batch_tokens / timing["step_s"],
