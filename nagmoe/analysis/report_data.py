@@ -33,7 +33,7 @@ CACHE_DIR = "data"  # under the report's out dir: per-run analysis/eval JSON, re
 # keys that do not change what a run is (for pairing runs into comparisons)
 IGNORED_PREFIXES = ("train.seed", "train.flop_budget", "train.max_steps", "train.schedule_steps", "train.eval_every",
                     "train.checkpoint_every", "train.keep_checkpoints", "train.eval_tokens", "train.eval_sample",
-                    "train.gc_every", "train.device", "data.prefetch",
+                    "train.gc_every", "train.sync_every", "train.device", "data.prefetch",
                     "train.compile", "train.micro_batch_tokens", "data.num_proc", "data.verify_shards",
                     "model.attention.impl", "model.moe.impl", "parallel.", "log.")
 _LABEL = re.compile(r"^(?P<group>.+)-s(?P<seed>\d+)$")

@@ -197,6 +197,10 @@ class TrainConfig:
     # Python's garbage collector off the step (nagmoe/train/gc_control.py): set-up frozen, automatic collection off
     # in the loop, a full collection every this many steps on every rank; 0 = Python's default (LEGACY_VALUES)
     gc_every: int = 50
+    # the decisions every rank must share (a preemption, the checkpoint clock, the lease confirmation before the
+    # buffered metrics lines are written) are taken every this many steps, in one collective with the metrics
+    # reductions of log steps (nagmoe/train/step_decisions.py); 1 = every step (LEGACY_VALUES)
+    sync_every: int = 10
 
 
 @dataclass
@@ -261,7 +265,7 @@ POSITIVE = (
     "train.schedule_steps", "train.keep_checkpoints", "train.eval_tokens", "train.eval_tokens_during",
     "train.checkpoint_every_minutes",
     "train.keep_milestone_every_tokens",
-    "parallel.ep", "log.every", "model.attention.rope_base", "model.nag.eps", "model.nag.gain_floor",
+    "parallel.ep", "log.every", "train.sync_every", "model.attention.rope_base", "model.nag.eps", "model.nag.gain_floor",
     "model.init_std",
 )
 NON_NEGATIVE = (
@@ -293,6 +297,7 @@ LEGACY_VALUES = {
     "train.eval_tokens_during": None,
     "train.gc_every": 0,
     "data.prefetch": 0,
+    "train.sync_every": 1,
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract; also switchable
 # mid-run: logging, checkpoint timing and keeping, the export at the end, and the expert bias's rate (0 freezes
@@ -301,7 +306,7 @@ RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "t
                   "train.keep_checkpoints", "log.wandb", "train.checkpoint_every_minutes",
                   "train.keep_milestone_every_tokens", "train.export_hf_at_end", "model.moe.bias_update_rate",
                   "train.hang_timeout_s", "train.eval_tokens_during", "train.eval_sample",
-                  "train.gc_every", "data.prefetch")
+                  "train.gc_every", "data.prefetch", "train.sync_every")
 # Keys of the parallel layout that may change too (issue 25): the torch engine reshards a checkpoint on load
 # (nagmoe.checkpoint.torch_layout), so a run resumes on another world size, EP degree or micro-batch; the
 # global batch (train.batch_tokens) may not change. train.compile (issue 26) changes how the step runs, not

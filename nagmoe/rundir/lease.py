@@ -74,9 +74,29 @@ def read_lease(run_dir: str) -> Optional[dict]:
     except OSError as e:
         return {"invalid": f"{shown(path)}: {e.strerror or type(e).__name__}"}
     reason = _invalid(holder, shown(path))
-    if reason is not None:
-        return {"invalid": reason}
-    return {**holder, "mtime": mtime}
+    return {"invalid": reason} if reason is not None else {**holder, "mtime": mtime}
+
+
+def read_lease_token(run_dir: str) -> Optional[dict]:
+    """The fence's read between steps (issue 67): the lease's content in one path call on the shared file system
+    (an open; no existence check, no mtime: the token is all a confirmation compares). None when absent; a file
+    that is not a lease gives {"invalid": reason}, as read_lease."""
+    path = os.path.join(run_dir, LEASE_FILE)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return {"invalid": f"{shown(path)}: {e.strerror or type(e).__name__}"}
+    try:
+        holder = loads_json(data.decode("utf-8"), shown(path))
+    except UnicodeDecodeError as e:
+        return {"invalid": f"{shown(path)}: not UTF-8 text (byte {e.start})"}
+    except UserError as e:
+        return {"invalid": str(e)}
+    reason = _invalid(holder, shown(path))
+    return {"invalid": reason} if reason is not None else holder
 
 
 def _pid_alive(pid: int) -> bool:
@@ -188,7 +208,7 @@ class RunDirLease:
         counts as taken: we always rewrite it atomically, so someone else removed or replaced it."""
         if self.lost is not None:
             return self.lost
-        holder = read_lease(self.run_dir)
+        holder = read_lease_token(self.run_dir)
         if holder is None:
             holder = {"invalid": f"{shown(self.path)} was removed"}
         if holder.get("token") != self.me["token"]:

@@ -3,8 +3,9 @@
 Saves are due (any of):
   * every `train.checkpoint_every` steps, and at the last step (as before);
   * `train.checkpoint_every_minutes` of wall time since the last save or the start, on rank 0's clock: rank 0
-    decides and every rank follows (one all-reduce per step, only when the key is set), so ranks whose clocks
-    disagree still save together;
+    decides at each sync step and every rank follows (the decision rides the loop's one collective,
+    nagmoe/train/step_decisions.py), so ranks whose clocks disagree still save together, at most
+    `train.sync_every` steps late;
   * a milestone: each time the run's tokens pass a multiple of `train.keep_milestone_every_tokens`. A
     milestone is marked in its state.json (`extra.milestone`) and never pruned, so the depth analysis has
     checkpoints through training (nagmoe.checkpoint.publish.prune).
@@ -40,23 +41,23 @@ class CheckpointSchedule:
         every = train_cfg.keep_milestone_every_tokens
         self.milestone_index = tokens // every if every else 0
 
-    def _clock_due(self) -> bool:
+    def rank0_clock_due(self) -> bool:
+        """Rank 0's clock decision (False elsewhere, and without `checkpoint_every_minutes`); no collective: it
+        travels with a sync step's exchange."""
         minutes = self.cfg.checkpoint_every_minutes
-        if not minutes:
-            return False
-        due = self.mesh.rank == 0 and self.clock() - self.last_save >= 60.0 * minutes
-        return self.mesh.any(due) if self.mesh.distributed else due  # rank 0's decision everywhere
+        return bool(minutes) and self.mesh.rank == 0 and self.clock() - self.last_save >= 60.0 * minutes
 
     def is_milestone(self, tokens: int) -> bool:
         every = self.cfg.keep_milestone_every_tokens
         return bool(every) and tokens // every > self.milestone_index
 
-    def due(self, step: int, tokens: int, last: bool) -> tuple[bool, bool]:
-        """(save now, as a milestone) after optimizer step `step` with `tokens` seen."""
+    def due(self, step: int, tokens: int, last: bool, clock_due: bool = False) -> tuple[bool, bool]:
+        """(save now, as a milestone) after optimizer step `step` with `tokens` seen; `clock_due`: rank 0's clock
+        decision as shared by a sync step (the same on every rank). No collective: the rest is the same
+        arithmetic on every rank."""
         milestone = self.is_milestone(tokens)
         every = self.cfg.checkpoint_every
-        clock = self._clock_due()  # every rank calls it every step (a collective when distributed)
-        return last or milestone or clock or bool(every and step % every == 0), milestone
+        return last or milestone or clock_due or bool(every and step % every == 0), milestone
 
     def saved(self, tokens: int) -> None:
         self.last_save = self.clock()

@@ -7,9 +7,9 @@ Two ways to ask a running trainer to stop:
     the batch shell (`#SBATCH --signal=B:USR1@120`). torchrun handles only TERM/INT/HUP/QUIT (a USR1 would
     kill it), so a file on the shared file system is the robust way to reach every rank on every node.
 
-At each step boundary the trainer calls `requested()`; under torch.distributed every rank contributes its
-local view and they agree by an all-reduce MAX, so all ranks stop at the same step even when only one of
-them saw the signal or the file. `stop()` then saves a checkpoint (collective), rank 0 writes the marker
+Every `train.sync_every` steps (nagmoe/train/step_decisions.py) every rank contributes its local view
+(`local_request`: its signal; rank 0 also stats the request file) to the loop's one collective, so all ranks
+stop at the same step, within sync_every steps of the request, even when only one of them saw it. `stop()` then saves a checkpoint (collective), rank 0 writes the marker
 `RUN_DIR/preempted.json` (step, checkpoint, reason) and consumes the request file, and every rank raises
 `Preempted`: a `SystemExit` with code 75 (EX_TEMPFAIL, "try again"), or 0 under torchrun, which would report
 any other worker code as a crash. After a USR1 the batch script requeues the job unless the run finished
@@ -151,6 +151,11 @@ class PreemptionWatch:
         if os.path.exists(self.request_path):
             return REQUEST_FILE
         return None
+
+    def local_request(self) -> bool:
+        """This rank's part of a sync step's decision (nagmoe/train/step_decisions.py): a signal it caught, or, on
+        rank 0 only, the request file (one stat for the job: the run dir is shared by every rank)."""
+        return self.signal_name is not None or (self.rank == 0 and os.path.exists(self.request_path))
 
     def requested(self) -> bool:
         """Whether any rank wants to stop; the same answer on every rank (collective when distributed)."""

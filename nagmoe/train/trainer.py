@@ -50,7 +50,6 @@ from nagmoe.base.environment import check_start_settings, describe_environment
 from nagmoe.train.export_at_end import check_available as check_export_available, export_at_end
 from nagmoe.train.trainer_run_dir import TrainerRunDir
 from nagmoe.train.wandb_mode import start_wandb, wandb_record
-from nagmoe.rundir.metrics import MetricsWriter
 from nagmoe.train.optim import build_optimizers
 from nagmoe.data.host_copy import to_device
 from nagmoe.train.guards import (
@@ -66,8 +65,8 @@ from nagmoe.train.schedule import injection_warmup, lr_multiplier
 from nagmoe.train.checkpoint_schedule import CheckpointSchedule, save_error
 from nagmoe.train.memory import eager_memory_refusal, micro_batch_rows, plan_loss_recompute
 from nagmoe.train.gc_control import LoopGC
-from nagmoe.train.loop_clock import LoopClock, peak_memory_gib
-from nagmoe.train.progress_log import ProgressLog
+from nagmoe.train.loop_log import LoopLog
+from nagmoe.train.step_decisions import StepDecisions, poison_term
 from nagmoe.train.validation import validation_bpb
 from nagmoe.train.speed import compile_model, enable_activation_checkpointing, resolve_compile, sdpa_backends
 
@@ -110,6 +109,7 @@ def resolved_backends(model) -> dict:
 
 
 class Trainer:
+    in_loop: bool = False  # inside `run`: train_step leaves the metrics to the loop's exchanges
     progress_mode: Optional[str] = None  # `nagmoe train --progress`: auto | lines | off; None: off if quiet, else auto
 
     def __init__(self, cfg: Config, run_dir: str, accept_config_change: bool = False, take_over: bool = False,
@@ -235,6 +235,13 @@ class Trainer:
             self.ddp = (wrap_ddp(self.model, mesh, self.expert_names) if mesh.distributed and self.engine is None
                         else None)
             self.replicated_params = [p for n, p in self.model.named_parameters() if n not in set(self.expert_names)]
+            # the loss sums: reduced every step only where DeepSpeed's guard needs them before its step, else at
+            # metrics steps; the non-finite guard's agreement rides DDP's gradient all-reduce through the
+            # smallest replicated parameter (step_decisions.poison_term)
+            self.sums_global = self.engine is not None or not mesh.distributed
+            trainable = [p for p in self.replicated_params if p.requires_grad]
+            self.poison_param = (min(trainable, key=lambda p: p.numel()) if self.ddp is not None and trainable
+                                 else None)
             self.backends = resolved_backends(self.model)
             self.backends["compile"] = (f"{compiled['unit']}s ({', '.join(compiled['classes'])}), {compiled['backend']}"
                                         if compiled else "off")
@@ -280,10 +287,11 @@ class Trainer:
             raise UserError(f"{index_path}: no prepared data; run `nagmoe prepare-data --config ...` first")
         check_data_vocab(d, self.cfg.model.vocab_size)
 
-    def local_executed_fractions(self) -> Optional[list]:
+    def executed_fractions(self) -> Optional[list]:
         """The realised executed fraction per sublayer (MoD) of the last step, or None for full depth (and
-        before the first step). `model.mod_update` sums the step's counts over ranks, so on every rank these
-        are already the global batch's fractions (the mean over ranks leaves them unchanged)."""
+        before the first step). `model.mod_update` sums the step's counts over ranks (integer-valued float64:
+        exact), so on every rank these are the global batch's fractions, identical to the bit: what prices a
+        step and so the FLOP-budget stop need no collective (nagmoe/train/step_decisions.py)."""
         return getattr(self, "mod_executed", None)
 
     @staticmethod
@@ -294,24 +302,18 @@ class Trainer:
         dist.all_reduce(t)
         return t
 
-    def executed_fractions(self) -> Optional[list]:
-        """The executed fractions of the whole (global) batch: the mean over ranks of the local ones (every
-        rank holds the same number of tokens), identical on every rank."""
-        local = self.local_executed_fractions()
-        if local is None or not self.mesh.distributed:
-            return local
-        return self.mesh.mean(local)
-
     def step_flops(self) -> float:
         return flops_per_token(self.cfg.model, self.cfg.data.seq_len, self.executed_fractions(),
                                self.cfg.train.flop_convention) * self.cfg.train.batch_tokens
 
     def should_stop(self) -> bool:
+        """The stop, the same on every rank without a collective (the same arithmetic on the same numbers:
+        nagmoe/train/step_decisions.py; each exchange checks that the ranks agree on the step)."""
         t = self.cfg.train
         stop = t.max_steps is not None and self.progress.step >= t.max_steps
         if not stop:
             stop = t.flop_budget is not None and self.progress.flops + 0.5 * self.step_flops() > t.flop_budget
-        return self.mesh.any(stop) if self.mesh.distributed else stop
+        return stop
 
     # ------------------------------------------------------------------------------------------------------
     def evaluate(self, final: bool = False) -> float:
@@ -321,10 +323,15 @@ class Trainer:
             return validation_bpb(self, final)
 
     def train_step(self) -> dict:
-        """One optimizer step (forward, backward, optimizer), under CUDA's rules when asked for."""
+        """One optimizer step (forward, backward, optimizer), under CUDA's rules when asked for. Distributed, a
+        direct caller gets the record's loss, aux loss and worst expert load over every rank (and the router's
+        telemetry summed) in one collective; inside `run` (`in_loop`) they stay this rank's, reduced at the loop's
+        metrics steps only (nagmoe/train/step_decisions.py)."""
         with self.precision.scope():
             rec = self._train_step()
         self._note_backends_ran()
+        if not self.in_loop and self.mesh.distributed:
+            StepDecisions(self).exchange(self.progress.step, False, True, True).into(rec, self.accum)
         return rec
 
     def _train_step(self) -> dict:
@@ -359,14 +366,24 @@ class Trainer:
                 if self.engine is not None:  # DeepSpeed divides by the micro-steps, reduces on the last one
                     self.engine.backward(out.loss + aux, boundary=i == self.accum - 1)
                 else:
-                    ((out.loss + aux) / self.accum).backward()
+                    total = (out.loss + aux) / self.accum
+                    if self.poison_param is not None and i == self.accum - 1:  # the guard's agreement, below
+                        seen = loss_sum + aux_sum + out.loss.detach().float() + aux.detach().float()
+                        total = total + poison_term(seen, self.poison_param)
+                    total.backward()
             loss_sum = loss_sum + out.loss.detach().float()
             aux_sum = aux_sum + aux.detach().float()
         self._last_batch = (x, y)  # the guards re-run it (non-finite scan, gate statistics)
         sums = torch.stack([loss_sum, aux_sum])
-        if self.mesh.distributed:  # every rank takes the same guard decisions
+        # Every rank takes the same guard decisions. The torch engine: with no collective of their own (a rank's
+        # non-finite loss poisoned the gradients every rank's norm reads, step_decisions.poison_term); the
+        # logged mean over ranks is taken at metrics steps only. DeepSpeed's guard reads the loss before its
+        # step: the mean over ranks every step.
+        if self.sums_global and self.mesh.distributed:
             sums = self.mesh.mean_tensor(sums)
-        worst_load = self.routing.end_step(self.mesh.distributed)
+        self.step_sums = sums
+        worst_load = self.routing.end_step(self.mesh.distributed,
+                                           every_step=m.ffn == "moe" and m.moe.expert_bias)
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         if self.engine is not None:  # DeepSpeed: the guard before its own step needs the loss first
             loss_sum, aux_sum = sums.tolist()
@@ -512,87 +529,89 @@ class Trainer:
             self.release_lease()
 
     def _run(self) -> dict:
+        """The step sequence; what every rank decides between steps and what it costs: step_decisions.py; the
+        records: loop_log.py."""
         t = self.cfg.train
-        metrics = MetricsWriter(self.run_dir) if self.rank == 0 else None
-        progress_log = None  # a bar on a terminal, plain lines in a log file (nagmoe/train/progress_log.py)
-        progress_mode = self.progress_mode or ("off" if self.quiet else "auto")
-        if progress_mode != "off" and self.rank == 0:
-            device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-            progress_log = ProgressLog(t.max_steps, self.progress.step, device_name, self.world_size,
-                                       self.cfg.log.every, tty=False if progress_mode == "lines" else None,
-                                       flop_budget=t.flop_budget)
+        loop = LoopLog(self, self.progress_mode or ("off" if self.quiet else "auto"))
         val_bpb = None
         self._schedule = None
         self.checkpoint_schedule()  # time-based saves count from here
         started = time.perf_counter()
         wall0 = self.progress.wall_s
         preemption = PreemptionWatch(self.run_dir, self.rank).install()  # SIGUSR1/SIGTERM or a request file
+        decisions = StepDecisions(self, preemption)
         # every rank's last step and heartbeat in the rendezvous store: a failure line names who fell silent
         board = default_board(self.rank, self.world_size, socket.gethostname())
         watchdog = start_watchdog(self.rank, t.hang_timeout_s, self.progress.step,  # a hang ends in bounded time
                                   board=board.start(self.progress.step) if board is not None else None)
         loop_gc = LoopGC(t.gc_every).__enter__()  # set-up frozen, collections every gc_every steps (gc_control.py)
-        clock = LoopClock()  # the loop's own time, per metrics line (loop_clock.py)
+        self.in_loop = True
         try:
-            while not self.should_stop():
-                if preemption.requested():  # all ranks agree; checkpoint, marker, raise Preempted (exit 75)
-                    with watchdog.phase("the preemption checkpoint"):
-                        preemption.stop(self.checkpoint, self.progress.step)
+            while not self.should_stop():  # local: the same step on every rank (step_decisions.py)
                 t0 = time.perf_counter()
                 flops_before = self.progress.flops
                 rec = self.train_step()
                 dt = time.perf_counter() - t0
-                clock.step_done(dt, self.data_wait_s)
+                loop.clock.step_done(dt, self.data_wait_s)
                 watchdog.step_done(self.progress.step, dt)
                 fail_at_step_for_a_test(self.progress.step)
                 self.progress.wall_s = wall0 + time.perf_counter() - started
                 step, last = self.progress.step, self.should_stop()
-                logged = last or step % self.cfg.log.every == 0
-                stats = self.cfg.log.stats_every
-                per_layer = last or not stats or step % stats == 0  # else each list folded to its worst layer
-                router = self.routing.report(self.mesh.ep, self.model, per_layer) if logged else None
-                rec = {"step": step, "tokens": self.progress.tokens, "flops": self.progress.flops,
-                       **rec, **({"router": router} if router is not None else {})}
+                rec = {"step": step, "tokens": self.progress.tokens, "flops": self.progress.flops, **rec}
                 gate_stop = self._gate_check(rec)  # the gate-collapse alarm: a warning and metrics fields
                 if last or (t.eval_every and step % t.eval_every == 0):
                     with watchdog.phase("an evaluation"):
                         val_bpb = rec["val_bpb"] = self.evaluate(final=last)
+                logged = loop.logged(step, last)
                 written = logged or "val_bpb" in rec
-                timing = clock.line() if written else {"step_s": dt, "data_wait_s": self.data_wait_s}
-                peak = peak_memory_gib(self.device)
-                rec.update(timing, tokens_per_s=t.batch_tokens / timing["step_s"],
-                           **({"peak_memory_gib": peak} if peak is not None else {}))
+                sync, metrics = decisions.kinds(step, last, written)
+                shared = decisions.exchange(step, sync, metrics, logged) if sync or metrics else None
+                if metrics:  # over every rank (the loss, the worst load, the router's telemetry)
+                    shared.into(rec, self.accum)
+                    router = (self.routing.report(self.mesh.ep, self.model, loop.per_layer(step, last))
+                              if logged else None)
+                    if router is not None:
+                        rec["router"] = router
+                loop.timing(rec, written, dt, self.data_wait_s, t.batch_tokens)
                 if written:
-                    self.fence()  # every rank: a lost lease stops them all before rank 0 writes
-                    if metrics is not None:
-                        metrics.write(rec)
-                if self.wandb is not None and written:  # at the metrics lines' steps only (log.every)
-                    self.wandb.log(wandb_record(rec), step=step)
-                if progress_log is not None:
-                    progress_log.update(rec, self.progress.flops - flops_before, rec["step_s"], last, val_bpb)
-                save, milestone = self.checkpoint_schedule().due(step, self.progress.tokens, last or gate_stop)
-                if save:  # steps, minutes (rank 0's clock), milestones, the last step
+                    loop.add(rec)
+                if sync:  # the lease confirmed on every rank: rank 0 writes the buffered lines
+                    loop.flush()
+                loop.show(rec, self.progress.flops - flops_before, last, val_bpb)
+                save, milestone = self.checkpoint_schedule().due(step, self.progress.tokens, last or gate_stop,
+                                                                 sync and shared.clock_due)
+                preempt = sync and shared.preempt and not last  # the last step ends the run anyway
+                path = None
+                if save and not sync:  # the lines up to a checkpoint are written before it (a sync step's are)
+                    self.fence()
+                    loop.flush()
+                if save:  # steps, minutes (rank 0's clock, at sync steps), milestones, the last step
                     with watchdog.phase("a checkpoint save"):
-                        self.checkpoint(milestone, fatal=last or gate_stop)
+                        path = self.checkpoint(milestone, fatal=last or gate_stop or preempt)
+                if preempt:  # checkpoint (this step's, if just saved), marker, raise Preempted (exit 75)
+                    with watchdog.phase("the preemption checkpoint"):
+                        preemption.stop(lambda: path if path is not None else self.checkpoint(), step)
                 loop_gc.step_done(step)  # the same step on every rank
                 if gate_stop:
                     raise TrainingHalted(f"stopped by the gate-collapse alarm at step {step} (checkpoint "
                                          "written)", EXIT_GATE_COLLAPSE)
             if val_bpb is None:  # nothing left to train (e.g. resumed at the stop): evaluate for the summary
                 val_bpb = self.evaluate(final=True)
+        except TrainingHalted:  # every rank halts together (guards.py): the lines up to the halt are kept
+            self.fence()
+            loop.flush()
+            raise
         except RuntimeError as exc:  # a gloo collective past its timeout: one line naming rank, host, step
             halt = watchdog.timed_out(exc)
             if halt is None:
                 raise
             raise halt from exc
         finally:
+            self.in_loop = False
             loop_gc.__exit__(None, None, None)
             watchdog.stop()
             preemption.uninstall()
-            if progress_log is not None:
-                progress_log.close()
-            if metrics is not None:
-                metrics.close()
+            loop.close()
         summary = {"val_bpb": val_bpb, "steps": self.progress.step, "tokens": self.progress.tokens,
                    "flops": self.progress.flops, "wall_time_s": self.progress.wall_s,
                    "skip_rate": 0.0, "executed_fractions": self.executed_fractions(),

@@ -7,8 +7,9 @@
    parallel.ep or micro-batch: resharded by the torch engine, refused on DeepSpeed);
 3. then rank 0 writes: config.yaml and the W&B id at once, metrics.jsonl truncated back to the checkpoint after the
    load, run_info.json once the build is done;
-4. every rank fences (`fence`) before each checkpoint publish, metrics line and summary.json; `release` gives the
-   run dir back, however the run ends.
+4. every rank fences before each checkpoint publish, metrics write and summary.json (`fence`, or the lease
+   confirmation of a sync step's exchange, nagmoe/train/step_decisions.py); `release` gives the run dir back,
+   however the run ends.
 A UserError on rank 0 is raised on every rank (ParallelMesh.on_rank0), so no rank waits in a later collective."""
 from __future__ import annotations
 
@@ -83,6 +84,12 @@ class TrainerRunDir:
         still ours; if another trainer took it over, every rank raises the same UserError (exit 2) and nothing
         more is written (nagmoe.rundir.lease)."""
         fence_on_all_ranks(self.mesh, self.lease)
+
+    def confirm_lease(self) -> None:
+        """Rank 0's part of a sync step (nagmoe/train/step_decisions.py): raise the UserError of `fence` if the
+        lease is no longer ours; its verdict travels with the step's exchange instead of a broadcast."""
+        if self.lease is not None:
+            self.lease.confirm()
 
     def release(self) -> None:
         """Give the run dir back (rank 0 holds the lease); idempotent."""

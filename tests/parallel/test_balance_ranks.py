@@ -1,6 +1,6 @@
 """Issue 43 on 4 real gloo ranks (EP=2 x DP=2, accum 1): global-batch balancing equals one process at accum 1
 (the step's aux loss, 1e-6: f is the global count, the mean over ranks of the local P the global P); the expert
-bias adds no collective and global_batch one per micro-step; b is bitwise equal on every rank and equal to one
+bias adds its one all-reduce of the step's counts and global_batch one per micro-step; b is bitwise equal on every rank and equal to one
 process's after step 1."""
 import os
 import tempfile
@@ -69,11 +69,13 @@ def test_global_batch_on_four_ranks_equals_one_process(four_ranks, single):
     assert abs(four_ranks[0]["micro"]["aux_loss"] - single["micro"]["aux_loss"]) > 1e-6
 
 
-def test_collectives_plus_zero_for_the_bias_plus_one_per_micro_step_for_global_batch(four_ranks):
+def test_collectives_plus_one_for_the_bias_plus_one_per_micro_step_for_global_batch(four_ranks):
     for rank in four_ranks:
         totals = {name: sum(rank[name]["collectives"].values()) for name in VARIANTS}
-        assert totals["micro+bias"] == totals["micro"], rank["micro+bias"]["collectives"]
-        assert totals["global+bias"] == totals["micro"] + rank["global+bias"]["accum"]
+        # the bias's one all-reduce of the step's counts (RouterAccounting.end_step); without it the router's
+        # counts ride the metrics exchange (nagmoe/train/step_decisions.py)
+        assert totals["micro+bias"] == totals["micro"] + 1, rank["micro+bias"]["collectives"]
+        assert totals["global+bias"] == totals["micro+bias"] + rank["global+bias"]["accum"]
 
 
 def test_the_bias_is_bitwise_equal_on_every_rank_and_to_one_process(four_ranks, single):

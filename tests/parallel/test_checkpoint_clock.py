@@ -30,7 +30,7 @@ def train_with_skewed_clock(overrides, run_dir):
 
 
 def test_time_based_saves_follow_rank_zeros_clock(micro_overrides, tmp_path):
-    overrides = [*micro_overrides, "train.max_steps=7", "train.checkpoint_every_minutes=1",
+    overrides = [*micro_overrides, "train.max_steps=7", "train.checkpoint_every_minutes=1", "train.sync_every=1",
                  "train.keep_checkpoints=10", "train.micro_batch_tokens=64"]
     results = run_on_ranks(train_with_skewed_clock, 2, overrides, str(tmp_path / "run"), timeout=240)
     assert results[0] == results[1] == [2, 4, 6, 7]
