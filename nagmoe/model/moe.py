@@ -188,6 +188,9 @@ class MoELayer(nn.Module):
         self.lb_granularity = cfg.lb_granularity
         self.balance_inputs = None  # global_batch: (P_E with its graph, counts_E) of the last forward
         self.received_rows: Optional[int] = None  # rows an expert-parallel dispatcher received in the last call
+        # the same count as a 0-dim float64 device tensor, filled by the dispatcher (the forward reads this one: an
+        # int attribute read inside a compiled unit is a guard on its value, a recompile whenever it changes)
+        self.received_rows_stat: Optional[torch.Tensor] = None
         # loss-free balancing (model.moe.expert_bias): the (E,) selection bias, a buffer only when on (a run dir
         # saved without it must load unchanged); updated by `update_expert_bias` once per optimizer step
         self.bias_update_rate = float(cfg.bias_update_rate)
@@ -333,7 +336,7 @@ class MoELayer(nn.Module):
         else:
             aux_loss = self.lb_loss_weight * lb + self.z_loss_weight * z
 
-        self.received_rows = None  # set by an expert-parallel dispatcher (a host int it has read anyway)
+        self.received_rows = self.received_rows_stat = None  # set by an expert-parallel dispatcher
         # 2. dispatch, 3. experts, undo the sort. The expert call stays in this frame: a graph break inside a
         # nested call would split the compiled unit further (nagmoe/train/speed.py, `_run_experts`)
         if live_N is None:
@@ -355,10 +358,9 @@ class MoELayer(nn.Module):
                            if live_N is None else live_N.sum(),
                            "dropped_slots": dropped,
                            **({"rerouted_slots": rerouted} if rerouted is not None else {}),
-                           # a fill on the device from the dispatcher's host int: no copy, no read
-                           **({"received_rows": torch.full((), self.received_rows, dtype=torch.float64,
-                                                           device=probs_NE.device)}
-                              if self.received_rows is not None else {})}
+                           # the dispatcher's fill on the device from its host int: no copy, no read
+                           **({"received_rows": self.received_rows_stat}
+                              if self.received_rows_stat is not None else {})}
         if not self.gate_scale_output:
             return y_ND.view(B, T, D), aux_loss
         if kept_NK is None:
@@ -408,8 +410,8 @@ class MoELayer(nn.Module):
         slots (key E) last, and with a capacity the dropped ones after them, so the executed slots are the
         first rows of x_SD and the grouped GEMM's offsets stop there; the tail is masked by torch.where (never
         a product: the experts leave it unwritten, uninitialised memory, and NaN·0 = NaN), on the way in too,
-        so no gradient from it reaches a token. No host read but an expert-parallel dispatcher's (only the
-        executed slots travel) or the loop backend's."""
+        so no gradient from it reaches a token. No host read but an expert-parallel dispatcher's (it sends only
+        the executed slots and returns S rows, the tail 0) or the loop backend's."""
         N, D = x_ND.shape
         K, E, S = self.top_k, self.n_experts, key_S.numel()
         kept_E, dropped = counts_E, counts_E.new_zeros(())
@@ -429,8 +431,9 @@ class MoELayer(nn.Module):
         x_ND = x_ND.to(expert_compute_dtype(x_ND))
         zero = torch.zeros((), dtype=x_ND.dtype, device=x_ND.device)
         x_SD = torch.where(valid_S1, permute_rows(x_ND, order_S, unsort_S, repeat=K), zero)
-        if self.dispatcher is not None:  # only the executed slots travel (the dispatcher reads its sizes anyway)
-            x_SD = x_SD[:int(kept_E.sum())]
+        # all S rows, also to an expert-parallel dispatcher: it sends only the leading Σ kept_E rows, a size it
+        # reads anyway for the all-to-all's splits (issue 69: a read here would be a second sync per MoE call and
+        # a graph break with a data-dependent shape in the compiled unit)
         return x_SD, SlotPlan(order_S, unsort_S, kept_E, None, None, dropped, valid_S1)
 
     def _unsort(self, y_SD: torch.Tensor, plan: SlotPlan) -> tuple:
@@ -446,7 +449,7 @@ class MoELayer(nn.Module):
             return (permute_rows(y_SD, row_S, slot_R, partial="in").view(S // K, K, D),
                     keep_S[unsort_S].view(S // K, K), dropped)
         if valid_S1 is not None:
-            if y_SD.shape[0] != S:  # the loop backend and a dispatcher return the executed slots only
+            if y_SD.shape[0] != S:  # the loop backend returns the executed slots only
                 y_SD = torch.cat([y_SD, y_SD.new_zeros(S - y_SD.shape[0], D)])
             y_SD = torch.where(valid_S1, y_SD, torch.zeros((), dtype=y_SD.dtype, device=y_SD.device))
         kept = keep_S if valid_S1 is None else valid_S1.squeeze(1)

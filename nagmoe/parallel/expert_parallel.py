@@ -4,7 +4,10 @@ Shape legend: S = this rank's routing slots sorted by (global) expert, D = model
 P = EP group size, L = E/P local experts, R = slots received by this rank (from all P sources).
 
 `AllToAllDispatcher(layer, x_SD, counts_E) -> y_SD` replaces `MoELayer.run_experts` (via the layer's
-`dispatcher` hook), so routing, aux losses and the combine stay in the single-device model:
+`dispatcher` hook), so routing, aux losses and the combine stay in the single-device model. x_SD may be longer
+than Σ counts_E (static MoD: the skipped tokens' slots sorted last): only the leading n = Σ_e counts_E rows
+travel, sliced with the split sizes read in step 1 (n = Σ_p send_sizes[p], no further host read), and y_SD has
+x_SD's rows, the tail 0 (fixed shapes for the compiled unit around the call):
   1. counts   send_PL = counts_E.view(P, L) (slots for EP rank p's expert l); an all-to-all of these counts
               gives recv_PL[q, l] = slots that source q sends to my local expert l.
   2. tokens   x_RD = all_to_all(x_SD) with uneven splits (send_PL.sum(1) out, recv_PL.sum(1) in), autograd
@@ -81,14 +84,19 @@ class AllToAllDispatcher:
         send_sizes, recv_sizes = torch.stack([counts_E.view(P, L).sum(1).to(recv_PL.device),
                                               recv_PL.sum(1)]).tolist()
         layer.received_rows = sum(recv_sizes)  # the router telemetry's receive peak (already a host int)
+        # ... and as a device fill for the layer's statistics: the compiled unit reads a tensor, not an int (whose
+        # value it would guard on: a recompile per distinct count)
+        layer.received_rows_stat = torch.full((), layer.received_rows, dtype=torch.float64, device=x_SD.device)
         if torch.is_grad_enabled():
             self.traffic["calls"] += 1
             self.traffic["sent"] += sum(send_sizes)
             self.traffic["received"] += sum(recv_sizes)
-        # 2. tokens out
+        # 2. tokens out: the leading n = Σ send_sizes rows (static MoD's tail of skipped slots stays here)
+        n_send, n_rows = sum(send_sizes), x_SD.shape[0]
+        x_nD = x_SD[:n_send] if n_send < n_rows else x_SD
         if self.check_payload_dtypes:
-            payload_dtypes_agree(x_SD, self.group)
-        x_RD = funcol.all_to_all_single_autograd(x_SD.contiguous(), recv_sizes, send_sizes, self.group)
+            payload_dtypes_agree(x_nD, self.group)
+        x_RD = funcol.all_to_all_single_autograd(x_nD.contiguous(), recv_sizes, send_sizes, self.group)
         # 3. local experts, rows grouped expert-major
         local_expert_R = torch.repeat_interleave(
             torch.arange(L, device=x_SD.device).repeat(P), recv_PL.reshape(-1).to(x_SD.device),
@@ -105,10 +113,17 @@ class AllToAllDispatcher:
             unsort_R = torch.empty_like(order_R)
             unsort_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
             y_RD = y_sorted[unsort_R]
-        # 4. results back to the sources, in the order of x_SD
+        # 4. results back to the sources, in the order of x_SD; a tail that did not travel gets 0 rows (the layer
+        # masks it anyway), so y_SD has x_SD's shape whatever n is. Always a plain tensor, waited on here (its
+        # first use follows at once): funcol returns an AsyncCollectiveTensor, `cat` a Tensor, and a compiled
+        # unit resuming after this call guards on the type (a recompile at the skip start)
         if self.check_payload_dtypes:
             payload_dtypes_agree(y_RD, self.group)
-        return funcol.all_to_all_single_autograd(y_RD.contiguous(), send_sizes, recv_sizes, self.group)
+        y_nD = funcol.wait_tensor(funcol.all_to_all_single_autograd(y_RD.contiguous(), send_sizes, recv_sizes,
+                                                                    self.group))
+        if n_send == n_rows:
+            return y_nD
+        return torch.cat([y_nD, y_nD.new_zeros(n_rows - n_send, y_nD.shape[1])])
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:

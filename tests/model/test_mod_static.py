@@ -110,3 +110,66 @@ def test_static_selection_before_the_start_executes_every_token():
     model.stream.mod.select = lambda i, s: seen.append(real(i, s)) or seen[-1]
     step(model, *batch(3))
     assert seen and all(isinstance(s, Selection) and bool(s.mask_BT.all()) for s in seen)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Issue 69: the guards around `_grouped_mm`'s unwritten tail
+# ----------------------------------------------------------------------------------------------------------
+_REAL_GROUPED_MM = torch._grouped_mm
+
+
+def _nan_past(t_SX: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """t with its rows from offs[-1] on set to NaN: what `_grouped_mm` may leave there (it writes only the rows of
+    its groups; bf16 on the CPU returned non-finite values in them, fp32 zeros)."""
+    rows_S1 = torch.arange(t_SX.shape[0], device=t_SX.device).unsqueeze(1)
+    return torch.where(rows_S1 >= offs_E[-1], float("nan"), t_SX)
+
+
+class _PoisonedGroupedMM(torch.autograd.Function):
+    """`torch._grouped_mm` whose output rows past offs[-1] are NaN, and so are those of its input gradient (the
+    backward's dx = grouped_mm(dy, wᵀ) leaves the same tail unwritten). Weight gradient: the real one (it sums over
+    the groups' rows only)."""
+    tails = 0  # calls that had a tail: the test exercised the guards
+
+    @staticmethod
+    def forward(ctx, a_SX, b_EXY, offs_E):
+        ctx.save_for_backward(a_SX, b_EXY, offs_E)
+        _PoisonedGroupedMM.tails += int(offs_E[-1]) < a_SX.shape[0]
+        return _nan_past(_REAL_GROUPED_MM(a_SX, b_EXY, offs=offs_E), offs_E)
+
+    @staticmethod
+    def backward(ctx, g_SY):
+        a_SX, b_EXY, offs_E = ctx.saved_tensors
+        with torch.enable_grad():
+            a, b = a_SX.detach().requires_grad_(), b_EXY.detach().requires_grad_()
+            ga, gb = torch.autograd.grad(_REAL_GROUPED_MM(a, b, offs=offs_E), (a, b), g_SY)
+        return _nan_past(ga, offs_E), gb, None
+
+
+def test_static_keeps_a_nan_expert_tail_out_of_every_value_and_gradient(monkeypatch):
+    """The output-side torch.where in MoELayer._unsort keeps the tail (read by the skipped slots through the unsort)
+    out of y and of ∂gate (NaN·0 = NaN), the input-side one keeps the tail of ∂x out of the tokens: with the tail
+    poisoned, forward, loss and every gradient are finite and equal gather's (which has no tail)."""
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: _PoisonedGroupedMM.apply(a, b, offs))
+    gather = dialled(r40_small("gather"), 0.3)
+    static = copy.deepcopy(gather)
+    static.stream.mod.impl = "static"
+    with_edge_rows(gather), with_edge_rows(static)
+    outputs = []
+    for layer in static.blocks:
+        layer.ffn.register_forward_hook(lambda m, args, out: outputs.append(out[0].detach()))
+    _PoisonedGroupedMM.tails = 0
+    idx, targets = batch(1)
+    a, b = step(gather, idx, targets), step(static, idx, targets)
+    assert _PoisonedGroupedMM.tails > 0 and len(outputs) == len(static.blocks)  # the tails were there, poisoned
+    bad = [f"blocks.{i}.ffn output" for i, y in enumerate(outputs) if not y.isfinite().all()]
+    bad += [name for name, v in (("loss", b.loss), ("aux_loss", b.aux_loss)) if not v.isfinite()]
+    bad += [name for name, p in static.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
+    assert not bad, f"non-finite: {bad}"
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(b.aux_loss, a.aux_loss, rtol=1e-5, atol=1e-7)
+    for (name, pa), (_, pb) in zip(gather.named_parameters(), static.named_parameters()):
+        assert (pa.grad is None) == (pb.grad is None), name
+        if pa.grad is not None:
+            scale = pa.grad.abs().max().item()
+            torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-5, atol=1e-5 * scale + 1e-12, msg=name)
