@@ -12,7 +12,7 @@ each step. Three kinds:
   one line instead of a hang at the next mismatched collective.
 * **At sync steps** (every `train.sync_every` steps, and the last): any rank's preemption signal, the request
   file (rank 0 stats it), rank 0's checkpoint clock and rank 0's lease confirmation travel in one all-reduce.
-  Bounds: a preemption is answered within sync_every steps (at the paper's ~0.4 s a step, 20 steps is ~8 s
+  Bounds: a preemption is answered within sync_every steps (at the paper's ~0.4 s a step, the default 10 steps is ~4 s
   against the 120 s Slurm gives the batch script's trap, launch/train.sbatch); a save by minutes is late by
   at most sync_every steps; the metrics lines are buffered on rank 0 and written only after a sync step
   confirmed the lease (or after a fence before a checkpoint), so no line is written after the lease is lost.
@@ -22,8 +22,9 @@ each step. Three kinds:
 
 The non-finite guard needs no collective: a rank whose loss is not finite poisons a replicated gradient
 (`poison_term`), DDP's all-reduce spreads the NaN, and every rank sees a non-finite global gradient norm: the
-same decision everywhere (nagmoe/train/guards.py). With `log.every` 10 and sync_every 20 that is one collective
-per 10 steps (tools/count_bookkeeping.py counts them). Without a process group the same decisions run with no
+same decision everywhere (nagmoe/train/guards.py). With `log.every` 10 and sync_every 10 (the defaults of the paper
+configs) that is one collective per 10 steps, and rank 0's two path calls (the request file's stat, the lease's
+open) per 10 steps (tools/count_bookkeeping.py counts them). Without a process group the same decisions run with no
 collective.
 """
 from __future__ import annotations

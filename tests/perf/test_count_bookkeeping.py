@@ -64,7 +64,7 @@ def test_counts_every_class_and_finds_the_per_step_sites(micro_data, tmp_path, c
 def test_bookkeeping_between_steps_is_at_most_one_in_five_steps(micro_data, tmp_path, ep):
     """Issue 67's acceptance: 2 gloo ranks, log.every=10, the marginal count per step between a 10- and a 40-step
     run: <= 0.2 bookkeeping collectives and <= 0.2 run-dir path calls per step and rank (the defaults: one
-    exchange per 10 steps, rank 0's stat and lease read every train.sync_every = 20)."""
+    exchange per 10 steps, rank 0's stat and lease read every train.sync_every = 10)."""
     result = run_counts(micro_data, tmp_path, ep, steps=("10", "40"))
     for r in result["runs"][f"ep{ep}"]["ranks"]:
         assert r["collectives"]["bookkeeping"] <= 0.2, (r["rank"], r["bookkeeping_sites"])
