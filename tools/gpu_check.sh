@@ -17,13 +17,14 @@
 #                    and their sites, losses, MoD's realised skip; the summary adds NAG / baseline step time and
 #                    MoD's wall-clock gain vs its FLOP gain; a warning off sm90/sm100 (_grouped_mm's fast path). A
 #                    failed compile is recorded, then the config runs eager in a fresh process
-#   mod_speed        issue 59: the first GPU run found NAG+MoD-20% 33x slower than NAG (gather MoD: new shapes and a
-#                    host read per sublayer); static MoD (model.mod.impl, the CUDA default) must save in step time
-#                    what it skips. nag-mod20-r40 through the Trainer: after 2 steps the compute dial pins skip rates
-#                    0 (NAG's compute), 0.2, 0.5; per rate step and micro-step (forward+backward) time, the realised
-#                    executed fraction, host reads (SyncCounter; GPU: a step under sync debug mode "error"), peak
-#                    memory, a profiler step (mod_speed_profile_<rate>.txt); from rate 0's profile the skippable
-#                    share of the step; saved = 1 - step(0.2)/step(0) against 0.9 * 0.2 * share (tools/gpu_check_mod.py)
+#   mod_speed        issues 59, 69: MoD against NAG in one process (tools/gpu_check_mod.py). The first GPU run found
+#                    NAG+MoD-20% 33x slower than NAG (gather MoD); static MoD (model.mod.impl, the CUDA default)
+#                    skips the expert GEMMs only. nag-r40, then nag-mod20-r40 with the compute dial at skip rates
+#                    0, 0.2, 0.5 (settled, then pinned), 8 timed steps each: MoD/NAG step ratio, the MoE
+#                    sublayers' own skip, saved = 1 - step(rate)/step(0) against skip x share (the eligible
+#                    sublayers; the expert GEMMs alone: 0.9 of it at 0.2 is issue 59's bar), new graphs and graph
+#                    breaks, host reads (SyncCounter; GPU: a step under sync debug mode "error"), peak memory, a
+#                    kernel table per rate (mod_speed_profile_<rate>.txt)
 #   profile          issue 60: baseline-r40 and nag-r40 through the Trainer at the paper's 131,072 tokens per
 #                    optimizer step: 3 warm steps, 3 timed (CUDA events: step, micro-steps, the optimizer apart), MFU
 #                    against the data sheet beside the training section's, and one profiled step: time and kernel
@@ -35,16 +36,19 @@
 #   dcp              a DCP checkpoint of this torch read back through the restricted unpickler (.metadata kept)
 #   install          pip install --no-deps --no-build-isolation --use-pep517 --no-index -e . (GPU mode only; the
 #                    other sections import the package from the checkout)
-# Each limit is also capped by what is left of the script's budget (GPU_CHECK_BUDGET seconds: 590, --cpu 245); the
-# summary prints each section's seconds against its limit.
+# Each limit is also capped by what is left of the script's budget (GPU_CHECK_BUDGET seconds: 590, --lease 325,
+# --cpu 285, --cpu --lease 145); the summary prints each section's seconds against its limit.
 # The packages the GPU image lacks (datasets, wandb, deepspeed, transformers, lm_eval, flash_attn, megablocks,
 # grouped_gemm) are missing for every Python process (each meta-path finder wrapped in a temporary sitecustomize):
 # `import` raises ModuleNotFoundError and importlib.util.find_spec returns None, as on the GPU machine.
 # tests/perf/test_gpu_check_rehearsal.py runs this script in GPU mode on a stand-in GPU host (CPU only).
 #
 #   tools/gpu_check.sh            # on the GPU machine
+#   tools/gpu_check.sh --lease    # one 15-minute lease (issue 69): env, data, train_nag, train_nag_mod20, mod_speed
+#                                 # in 325 s, so the machine's start and a whole rerun fit beside it
 #   tools/gpu_check.sh --cpu      # CI: the same sections at tiny size on CPU (no install), in bf16 under CUDA's
-#                                 # autocast rules of torch 2.11 (NAGMOE_CUDA_RULES, nagmoe/cuda_rules)
+#                                 # autocast rules of torch 2.11 (NAGMOE_CUDA_RULES, nagmoe/cuda_rules); with
+#                                 # --lease the lease's list
 # Results: $GPU_CHECK_OUT (default: $OUT if set, else a temporary folder): bench.json, gpu_check.log (every
 # section's output), the DCP .metadata. Run dirs, data and compile caches live in a scratch folder removed at the end.
 # On request only (GPU_CHECK_SECTIONS=mod_block): mod_block, the MoD block benchmark (tools/bench_mod.py --block,
@@ -54,10 +58,14 @@
 # GPU_CHECK_BUDGET and GPU_CHECK_LIMIT_* must be whole seconds: anything else stops the script at once with one line
 # and exit 2, before it runs anything (bash arithmetic would abort on `1.5` or run the command in `x[$(cmd)]`).
 set -u
-MODE=gpu
-if [[ "${1:-}" == "--cpu" ]]; then MODE=cpu; elif [[ $# -gt 0 ]]; then
-  echo "usage: tools/gpu_check.sh [--cpu]" >&2; exit 2
-fi
+MODE=gpu PLAN=full
+for arg in "$@"; do
+  case $arg in
+    --cpu) MODE=cpu ;;
+    --lease) PLAN=lease ;;
+    *) echo "usage: tools/gpu_check.sh [--cpu] [--lease]" >&2; exit 2 ;;
+  esac
+done
 for var in GPU_CHECK_BUDGET $(compgen -v GPU_CHECK_LIMIT_); do  # names only: compgen lists variable names
   if [[ -n "${!var:-}" && ! ${!var} =~ ^[0-9]{1,6}$ ]]; then
     printf 'tools/gpu_check.sh: %s=%q must be a whole number of seconds\n' "$var" "${!var:0:60}" >&2; exit 2
@@ -105,21 +113,31 @@ if [[ $MODE == cpu ]]; then
   # CUDA's autocast rules of the GPU machine's torch on the CPU (bf16; nagmoe/cuda_rules): every section's Trainer
   # meets the dtypes the GPU run will meet. NAGMOE_CUDA_RULES= (empty) runs plain fp32.
   export NAGMOE_CUDA_RULES="${NAGMOE_CUDA_RULES-2.11}"
-  BUDGET=$((10#${GPU_CHECK_BUDGET:-245}))  # 10#: 08 is eight, not an octal error
-  SECTIONS=(env:15 data:15 train_nag:30 train_baseline:25 train_nag_mod20:25 mod_speed:20 profile:45 resume:35 tests:20
+  FULL_BUDGET=285 LEASE_BUDGET=145
+  SECTIONS=(env:15 data:15 train_nag:30 train_baseline:25 train_nag_mod20:25 mod_speed:60 profile:45 resume:35 tests:20
             dcp:15)
+  LEASE=(env:15 data:15 train_nag:30 train_nag_mod20:25 mod_speed:60)  # --lease (rehearsed in CI)
   ON_REQUEST=(mod_block:20)  # run only when GPU_CHECK_SECTIONS names them (after the listed ones)
 else
-  BUDGET=$((10#${GPU_CHECK_BUDGET:-590}))  # + at most 5 s of a last kill and the summary: under 10 minutes
+  FULL_BUDGET=590  # + at most 5 s of a last kill and the summary: under 10 minutes
   # measured on the H200 (docs/benchmarks.md): env 18 s, data 3, train_nag 65 cold (42 s compile), train_baseline
   # 40 with the caches, train_nag_mod20 13 s a step once MoD skips (gather; static MoD is meant to step near NAG's
-  # time), tests 51, dcp 9-11, install 11. mod_speed (not yet measured): 17 steps with the caches, 3 profiles
-  # (a profile that would not fit its limit is skipped and said so). profile (not yet measured): 2 configs x 2
+  # time), tests 51, dcp 9-11, install 11. mod_speed (not yet measured): 44 steps with the caches, 4 eager counted
+  # steps, 4 under sync debug mode, 3 profiles: in this list's 80 s the profiles that would not fit are skipped and
+  # said so (the lease list gives it 150). profile (not yet measured): 2 configs x 2
   # variants x 7 steps of 131,072 tokens (~0.8 s each), a compile each (the caches; `before`'s CCA conv unit new)
   SECTIONS=(env:30 data:10 train_nag:90 train_baseline:55 train_nag_mod20:45 mod_speed:80 profile:120 resume:55 tests:60
             dcp:20 install:25)
+  # --lease (issue 69): what a 15-minute lease needs answered, in 325 s; with the machine's start (1-2 min) a rerun
+  # of the whole list still fits (docs/benchmarks.md). mod_speed (not yet measured): NAG 2 + 8 steps, MoD 2 + 8 +
+  # 2 x (4 settling + 8) steps (~0.4 s each on the training sections' caches), 4 eager counted steps, 3 profiles
+  LEASE_BUDGET=325
+  LEASE=(env:30 data:10 train_nag:90 train_nag_mod20:45 mod_speed:150)
   ON_REQUEST=(mod_block:45)  # run only when GPU_CHECK_SECTIONS names them (after the listed ones)
 fi
+DEFAULT_BUDGET=$FULL_BUDGET
+if [[ $PLAN == lease ]]; then SECTIONS=("${LEASE[@]}") DEFAULT_BUDGET=$LEASE_BUDGET; fi
+BUDGET=$((10#${GPU_CHECK_BUDGET:-$DEFAULT_BUDGET}))  # 10#: 08 is eight, not an octal error
 # compiled kernels shared between the section processes (inductor's FX graph and Triton caches)
 export TORCHINDUCTOR_CACHE_DIR="$WORK/inductor" TRITON_CACHE_DIR="$WORK/triton"
 DRIVER=("$PY" "$REPO/tools/gpu_check_sections.py")

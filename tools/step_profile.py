@@ -13,8 +13,8 @@ torch.profiler, each host op and the device time of its kernels attributed to
 
 A region's forward is a `record_function` span opened by this tool (module hooks around each sublayer, a
 wrapper around the loss function): nothing in the model changes. Its backward is each autograd node the
-forward's ops created, found by sequence number (what the profiler's own forward/backward links use;
-`gpu_check_mod.skippable_shares` uses the same rule), its whole `evaluate_function` time.
+forward's ops created, found by sequence number (what the profiler's own forward/backward links use; the
+mod_speed section reads its shares from this table), its whole `evaluate_function` time.
 
 Per region: time (device time of the kernels on CUDA, host CPU time on the CPU) and **launches**: aten ops
 that call no other aten op (what reaches a kernel: `aten::linear` -> `aten::mm` counts once; `_grouped_mm`

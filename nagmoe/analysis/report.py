@@ -111,10 +111,18 @@ def group_numbers(rs: list) -> dict:
         "wall_time_s": [r.final("wall_time_s") for r in rs], "skip_rate": [r.skip_rate for r in rs],
         "run_skip_rate": [(r.summary or {}).get("run_skip_rate") for r in rs],
         "flops_executed": [(r.summary or {}).get("flops_executed") for r in rs],
+        "flops_full_depth": [(r.summary or {}).get("flops_full_depth") for r in rs],
+        "mod_impl": sorted({mod_impl(r) for r in rs} - {None}),
         "tokens_per_s": [r.tokens_per_s for r in rs],
         "eval_accuracy": [e[0] for e in evals], "eval_centred": [e[1] for e in evals],
         "eval_items": sum(e[2] for e in evals), "analysed": analysed.label if analysed else None,
     }
+
+
+def mod_impl(r):
+    """The MoD implementation a run used: its summary's (every implementation its steps ran), else run_info.json's
+    resolved backend (`MoD.impl`), else None (no MoD, or a run from before either was written)."""
+    return (r.summary or {}).get("mod_impl") or ((r.run_info or {}).get("backends") or {}).get("MoD.impl")
 
 
 def _m(values):
@@ -276,10 +284,13 @@ def mod_section(groups, nums, pairs, fig_dir) -> tuple:
         d_loss = (_m(n["val_loss"]) - _m(r["val_loss"])) if r and _m(n["val_loss"]) is not None and _m(
             r["val_loss"]) is not None else None
         ratio = tokens / _m(r["tokens"]) if r and tokens and _m(r["tokens"]) else None
+        executed, full_depth = _m(n["flops_executed"]), _m(n["flops_full_depth"])
+        saving = 1.0 - executed / full_depth if executed is not None and full_depth else None
         return [g, num(n["target_skip_rate"], ".0%"), num(_m(n["skip_rate"]), ".1%"),
                 num(_m(n["run_skip_rate"]), ".1%"), big(tokens),
-                num(ratio, ".3f", "-" if not ref else "n/a"), big(flops), big(_m(n["flops_executed"]) if _m(n["flops_executed"]) is not None else flops),
-                num(per_token, ".3f"),
+                num(ratio, ".3f", "-" if not ref else "n/a"), big(flops),
+                big(executed if executed is not None else flops),
+                ", ".join(n["mod_impl"]) or "-", num(saving, ".1%", "-"), num(per_token, ".3f"),
                 seconds(_m(n["wall_time_s"])), num(_m(n["final_loss"])), num(_m(n["val_bpb"])),
                 num(d_bpb, "+.4f", "-" if not ref else "n/a"), num(d_loss, "+.4f", "-" if not ref else "n/a")]
 
@@ -292,10 +303,11 @@ def mod_section(groups, nums, pairs, fig_dir) -> tuple:
         rows.append(row(g, ref))
     headers = ["run", "target skip", "realised skip of work (skipping steps)", "whole run", "tokens processed",
                "tokens vs full depth",
-               "training FLOPs charged", "as executed (padded attention rows)", "FLOPs per token / full depth", "wall-clock (s)", "final train loss",
+               "training FLOPs charged", "as executed", "MoD impl", "saved as executed vs full depth",
+               "FLOPs per token / full depth", "wall-clock (s)", "final train loss",
                "final val bpb", "val bpb vs full depth", "val loss vs full depth (nats)"]
-    rows.append(["paper (theirs): MoD 20% vs full-depth NAG", "20%", "", "", "60.9B vs 50B", "1.218", "= budget", "", "",
-                 "", "", "", "", "+0.00055"])
+    rows.append(["paper (theirs): MoD 20% vs full-depth NAG", "20%", "", "", "60.9B vs 50B", "1.218", "= budget",
+                 "", "", "", "", "", "", "", "", "+0.00055"])
     classes = [""] * (len(rows) - 1) + ["theirs"]
     notes = [] if all(partner.get(g) for g in mod_groups) else [
         para("A MoD run without a full-depth partner (a run whose config differs only in model.mod.*) has no "
@@ -307,7 +319,11 @@ def mod_section(groups, nums, pairs, fig_dir) -> tuple:
         "Realised skip: the skipped share of the skippable work (FLOP-weighted per sublayer), averaged over the "
         "steps that skipped; the whole run includes the steps before skipping starts. Executed training FLOPs "
         "count skipped sublayer work as not done; K/V projections, embeddings, unembedding and modulators are still "
-        "paid for skipped tokens (nagmoe/config/flops.py), so 20% skipped work buys fewer than 25% more tokens.", "note"),
+        "paid for skipped tokens (nagmoe/config/flops.py), so 20% skipped work buys fewer than 25% more tokens. "
+        "As executed: what the run's MoD implementation (model.mod.impl, run_info.json's MoD.impl) computed; gather "
+        "pads attention's executed queries to the longest row, static computes every row's attention, router and "
+        "dense FFN and skips only the MoE's expert GEMMs, so it saves less than the budget charges. Saved as "
+        "executed: 1 - executed / full-depth FLOPs of the same tokens (runs from before issue 69: -).", "note"),
         *notes, "<h3>Skip through depth</h3>",
         image(depth_png, "skipped share per sublayer", "no per-sublayer skip in the runs' summaries"),
         para("Training, skipping steps only. With model.mod.threshold=global one threshold on the rotation score "

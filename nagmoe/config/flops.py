@@ -26,6 +26,11 @@ Two conventions (`train.flop_convention`; the paper's unit is not public, docs/d
 - `non_embedding`: the same without the unembedding (the embedding lookup is no matmul in either), the
   convention of "non-embedding FLOPs" scaling laws. MoD's skipped work is a larger share of it, so a skip rate
   buys more tokens under it.
+As executed (`executed_flops_per_token`, what a run's MoD implementation computes, `model.mod.impl`): `gather`
+runs attention's executed queries padded to the longest row (B x max rows); `static` computes every token with fixed
+shapes and discards the skipped rows, so only the MoE's expert GEMMs scale with the executed fraction: the skipped
+rows' attention scores, q (MHA) and o projections, dense FFN and router are still computed
+(`static_computed_flops_per_token`). The charged training FLOPs (the budget) are the same for both.
 What is not counted: the embedding lookup, elementwise work (norms, NAG centring/projection/normalisation,
 RoPE, activations, softmax, residual adds, router top-k, CCA's q-k mean, value shift and temperature), the
 loss, and the optimizer step. These are O(d) per token against O(d^2) for the matmuls.
@@ -166,14 +171,35 @@ def skippable_flops_per_sublayer(m: ModelConfig, seq_len: int) -> list[float]:
             for i in range(n)]
 
 
+def static_computed_flops_per_token(m: ModelConfig, seq_len: int, executed: Executed) -> dict[str, float]:
+    """Forward FLOPs per token, by part, that `model.mod.impl: static` computes for skipped tokens beyond what
+    `forward_flops_per_token(executed)` charges: the full-depth part minus the charged one for attention (scores for
+    every query; the o projection, and MHA's q, for every row), the router (every token is routed) and a dense FFN
+    (run on every row); only the MoE's expert GEMMs skip (their grouped GEMM stops at the executed slots)."""
+    full, charged = forward_flops_per_token(m, seq_len), forward_flops_per_token(m, seq_len, executed)
+    kept = ("attention_scores", "attention_proj", "router") + (("ffn",) if m.ffn == "dense" else ())
+    return {k: full[k] - charged[k] for k in kept}
+
+
+MOD_IMPLS_PRICED = ("gather", "static")  # model.mod.impl as resolved on the run's device (never `auto`)
+
+
 def executed_flops_per_token(m: ModelConfig, seq_len: int, executed: Executed, padded: Executed,
-                             convention: str = "matmul") -> float:
-    """Training FLOPs per token as executed: like `flops_per_token`, but attention's score/value rows are
-    charged for the padded query rows (`padded`: per sublayer, B·max-executed rows per token; MoD's ragged
-    executed queries run padded to the longest row) instead of the executed ones."""
-    fr, pad = _executed_per_sublayer(m, executed), _executed_per_sublayer(m, padded)
-    n_heads, _, hd = attention_heads(m)
-    extra = sum(4 * n_heads * hd * seq_len * (pad[2 * i] - fr[2 * i]) for i in range(m.n_layers))
+                             convention: str = "matmul", impl: str = "gather") -> float:
+    """Training FLOPs per token as executed by MoD implementation `impl`: like `flops_per_token`, plus what the
+    implementation computes beyond the executed tokens. `gather`: attention's score/value rows charged for the
+    padded query rows (`padded`: per sublayer, B·max-executed rows per token; the ragged executed queries run
+    padded to the longest row) instead of the executed ones. `static`: `static_computed_flops_per_token` (`padded`
+    is not read: every query row is computed)."""
+    if impl not in MOD_IMPLS_PRICED:
+        raise ValueError(f"executed_flops_per_token: impl {impl!r} is not one of {', '.join(MOD_IMPLS_PRICED)}")
+    fr = _executed_per_sublayer(m, executed)
+    if impl == "static":
+        extra = sum(static_computed_flops_per_token(m, seq_len, fr).values())
+    else:
+        pad = _executed_per_sublayer(m, padded)
+        n_heads, _, hd = attention_heads(m)
+        extra = sum(4 * n_heads * hd * seq_len * (pad[2 * i] - fr[2 * i]) for i in range(m.n_layers))
     return 3.0 * (convention_total(forward_flops_per_token(m, seq_len, fr), convention) + extra)
 
 

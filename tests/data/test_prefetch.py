@@ -251,7 +251,9 @@ def test_the_trainer_with_and_without_prefetch_and_across_an_interruption(micro_
     monkeypatch.setenv("NAGMOE_TEST_FAIL_AT_STEP", "6")
     with pytest.raises(UserError, match="after step 6"):
         train("on", "data.prefetch=2")
-    assert losses(tmp_path / "on") == off[:5]  # the hook raises before step 6 is written
+    # the hook raises after step 6: step 5's line was still buffered (written at sync steps and before each
+    # checkpoint, nagmoe/train/loop_log.py), lost with the crash as a resume would truncate it anyway
+    assert losses(tmp_path / "on") == off[:4]
     monkeypatch.delenv("NAGMOE_TEST_FAIL_AT_STEP")
     train("on", "data.prefetch=4")
     assert losses(tmp_path / "on") == off

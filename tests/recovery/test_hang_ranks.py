@@ -14,6 +14,9 @@ from trainer_processes import (SHORT_STEPS, last_logged_step, logged_steps, read
                                  wait_all, wait_for)
 
 HANG_S = 4.0  # train.hang_timeout_s of the first test: a micro step takes ~0.1 s
+# a metrics line every step (the legacy cadence): the tests stop rank 1 between two steps seen in metrics.jsonl,
+# not at a sync step, where a checkpoint save (its long-phase allowance) could hold the watchdog off
+EVERY_STEP = "train.sync_every=1"
 
 
 def _stop_rank_1_after_step(procs, run_dir, step):
@@ -25,7 +28,8 @@ def _stop_rank_1_after_step(procs, run_dir, step):
 @pytest.mark.distributed
 def test_a_rank_blocked_on_a_silent_peer_exits_76_naming_itself_and_the_run_resumes(dist_reference, tmp_path):
     run_dir = str(tmp_path / "run")
-    procs = start_ranks(2, dist_reference.config, run_dir, str(tmp_path), f"train.hang_timeout_s={HANG_S}")
+    procs = start_ranks(2, dist_reference.config, run_dir, str(tmp_path), f"train.hang_timeout_s={HANG_S}",
+                        EVERY_STEP)
     try:
         stopped_at, step = _stop_rank_1_after_step(procs, run_dir, 12)
         code = procs[0].wait(timeout=120)
@@ -56,7 +60,7 @@ def test_a_sigterm_to_a_hung_rank_ends_it_within_the_grace(dist_reference, tmp_p
     """The preemption handler waits for a step boundary that never comes; the watchdog's grace ends it (the
     hang limit here is far away: only the SIGTERM path can end the process)."""
     run_dir = str(tmp_path / "run")
-    procs = start_ranks(2, dist_reference.config, run_dir, str(tmp_path), "train.hang_timeout_s=600",
+    procs = start_ranks(2, dist_reference.config, run_dir, str(tmp_path), "train.hang_timeout_s=600", EVERY_STEP,
                         env_extra={"NAGMOE_HANG_TERM_GRACE_S": "3"})
     try:
         _stop_rank_1_after_step(procs, run_dir, 4)
@@ -80,7 +84,7 @@ def test_with_the_watchdog_off_a_silent_peer_ends_the_rank_at_the_collectives_tr
     the trainer makes that one line naming rank, host and step and the stack (exit status 1, torch's, as
     test_distributed_kill.py's timeout test has it)."""
     run_dir = str(tmp_path / "run")
-    procs = start_ranks(2, dist_reference.config, run_dir, str(tmp_path), "train.hang_timeout_s=0",
+    procs = start_ranks(2, dist_reference.config, run_dir, str(tmp_path), "train.hang_timeout_s=0", EVERY_STEP,
                         env_extra={"NAGMOE_DIST_TRAIN_TIMEOUT_S": "3"})
     try:
         stopped_at, step = _stop_rank_1_after_step(procs, run_dir, 12)

@@ -51,7 +51,9 @@ def test_three_seeded_kills_leave_the_run_bitwise_identical(reference, tmp_path)
     moments = kill_moments(SEED)
     killed_at = []  # the last step logged before each kill
     for i, (step, delay) in enumerate(moments):
-        args = train_args(reference.config, run_dir)
+        # a metrics line every step (train.sync_every=1, which changes no number): the kills land at the drawn
+        # steps, not only at the sync steps where the buffered lines are written
+        args = train_args(reference.config, run_dir, "train.sync_every=1")
         if i and latest_valid_checkpoint(run_dir) is None:  # killed before the first checkpoint (issue 21)
             with open(metrics_path(run_dir), "rb") as f:
                 history = f.read()
