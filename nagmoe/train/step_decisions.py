@@ -75,9 +75,10 @@ class StepDecisions:
         self.every = max(1, int(trainer.cfg.train.sync_every))
         self.lease_error: Optional[str] = None
 
-    def kinds(self, step: int, last: bool, written: bool) -> tuple[bool, bool]:
-        """(a sync step, a metrics step) after optimizer step `step`; the same on every rank."""
-        return last or step % self.every == 0, written
+    def is_sync(self, step: int, last: bool) -> bool:
+        """Whether optimizer step `step` is a sync step (every sync_every steps, and the last); the same on every
+        rank. Metrics steps are the steps whose record is written (LoopLog)."""
+        return last or step % self.every == 0
 
     def exchange(self, step: int, sync: bool, metrics: bool, with_interval: bool) -> Shared:
         """One all-reduce (SUM, float64) of what this step's decisions need (module docstring); no collective

@@ -49,7 +49,7 @@ from nagmoe.train.router_accounting import RouterAccounting
 from nagmoe.base.environment import check_start_settings, describe_environment
 from nagmoe.train.export_at_end import check_available as check_export_available, export_at_end
 from nagmoe.train.trainer_run_dir import TrainerRunDir
-from nagmoe.train.wandb_mode import start_wandb, wandb_record
+from nagmoe.train.wandb_mode import start_wandb
 from nagmoe.train.optim import build_optimizers
 from nagmoe.data.host_copy import to_device
 from nagmoe.train.guards import (
@@ -564,9 +564,9 @@ class Trainer:
                         val_bpb = rec["val_bpb"] = self.evaluate(final=last)
                 logged = loop.logged(step, last)
                 written = logged or "val_bpb" in rec
-                sync, metrics = decisions.kinds(step, last, written)
-                shared = decisions.exchange(step, sync, metrics, logged) if sync or metrics else None
-                if metrics:  # over every rank (the loss, the worst load, the router's telemetry)
+                sync = decisions.is_sync(step, last)
+                shared = decisions.exchange(step, sync, written, logged) if sync or written else None
+                if written:  # over every rank (the loss, the worst load, the router's telemetry)
                     shared.into(rec, self.accum)
                     router = (self.routing.report(self.mesh.ep, self.model, loop.per_layer(step, last))
                               if logged else None)
