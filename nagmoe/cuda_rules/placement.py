@@ -38,7 +38,6 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(_SELF))) + os.sep
 # (path suffix of the calling file, function name): why a host tensor is right there
 ALLOWED: dict[tuple[str, str], str] = {
     ("nagmoe/parallel/mesh.py", "tensor"): "`all_reduce` of Python floats: host values in, host values out",
-    ("nagmoe/train/preemption.py", "tensor"): "the stop flag, a host decision shared by every rank once a step",
     ("nagmoe/train/step_decisions.py", "tensor"): "the loop's exchange: host decisions (step, flags) shared by every "
                                                   "rank every train.sync_every steps and at metrics steps",
     ("nagmoe/parallel/distributed_muon.py", "tensor"): "the plan's fingerprint, compared once per new plan",

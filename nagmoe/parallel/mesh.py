@@ -144,7 +144,7 @@ class ParallelMesh:
     def all_reduce(self, values: Sequence[float], op=None, dtype=torch.float64) -> list[float]:
         if not self.distributed:
             return [float(v) for v in values]
-        t = torch.tensor([float(v) for v in values], dtype=dtype, device=self._collective_device())
+        t = torch.tensor([float(v) for v in values], dtype=dtype, device=self.collective_device())
         dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
         return t.tolist()
 
@@ -158,7 +158,7 @@ class ParallelMesh:
         """Element-wise mean over ranks of a tensor, on its own device (no host read)."""
         if not self.distributed:
             return t
-        buf = t.to(self._collective_device(), torch.float64)
+        buf = t.to(self.collective_device(), torch.float64)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM)
         return (buf / self.world_size).to(t.device, t.dtype)
 
@@ -196,7 +196,8 @@ class ParallelMesh:
         if self.distributed:
             dist.barrier()
 
-    def _collective_device(self) -> torch.device:
+    def collective_device(self) -> torch.device:
+        """Where a host value travels in a collective: NCCL reduces CUDA tensors only, gloo CPU ones."""
         if self.distributed and dist.get_backend() == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")

@@ -44,6 +44,29 @@ class LoopLog:
         """The router report per layer on this line, else each list folded to its worst layer."""
         return last or not self.stats_every or step % self.stats_every == 0
 
+    def record(self, rec: dict, decisions, step: int, last: bool, dt: float) -> tuple:
+        """Step `step`'s record, its exchange (step_decisions.py) and its line: a written record (log steps, eval
+        steps, the last) gets the loss and worst load over every rank and the router's telemetry, every record
+        its timing; written ones are buffered, and a sync step (the lease confirmed on every rank) writes the
+        buffer. Returns (sync, what the exchange shared: None when there was none)."""
+        trainer = self.trainer
+        logged = self.logged(step, last)
+        written = logged or "val_bpb" in rec
+        sync = decisions.is_sync(step, last)
+        shared = decisions.exchange(step, sync, written, logged) if sync or written else None
+        if written:
+            shared.into(rec, trainer.accum)
+            router = (trainer.routing.report(trainer.mesh.ep, trainer.model, self.per_layer(step, last))
+                      if logged else None)
+            if router is not None:
+                rec["router"] = router
+        self.timing(rec, written, dt, trainer.data_wait_s, trainer.cfg.train.batch_tokens)
+        if written:
+            self.add(rec)
+        if sync:
+            self.flush()
+        return sync, shared
+
     def timing(self, rec: dict, written: bool, dt: float, data_wait_s: float, batch_tokens: int) -> None:
         """The loop's time into `rec`: a written line's since the last written one (loop_clock.py), else this
         step's; tokens per second over the whole iteration; the peak memory on CUDA."""

@@ -53,26 +53,6 @@ class Preempted(SystemExit):
         return f"preempted at step {self.step} (checkpoint {self.checkpoint})"
 
 
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank when `flag` is true on at least one (all-reduce MAX); the flag itself without a
-    process group. NCCL reduces CUDA tensors only, so the flag travels on this rank's current device."""
-    if not _distributed():
-        return flag
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def _remove_quietly(path: str) -> None:
     try:
         os.remove(path)
@@ -116,8 +96,8 @@ def _marker_delayed_for_a_test() -> bool:
 
 
 class PreemptionWatch:
-    """Watches for a stop request during `Trainer.run`: `install()` before the loop, `requested()` at each
-    step boundary, `stop(checkpoint_fn, step)` when it says so, `uninstall()` in a finally."""
+    """Watches for a stop request during `Trainer.run`: `install()` before the loop, `local_request()` at each
+    sync step (step_decisions.py carries it to every rank), `stop(checkpoint_fn, step)` when it says so, `uninstall()` in a finally."""
 
     def __init__(self, run_dir: str, rank: int = 0):
         self.run_dir, self.rank = run_dir, rank
@@ -157,10 +137,6 @@ class PreemptionWatch:
         rank 0 only, the request file (one stat for the job: the run dir is shared by every rank)."""
         return self.signal_name is not None or (self.rank == 0 and os.path.exists(self.request_path))
 
-    def requested(self) -> bool:
-        """Whether any rank wants to stop; the same answer on every rank (collective when distributed)."""
-        return any_rank(self.local_reason() is not None)
-
     def stop(self, checkpoint_fn: Callable[[], str], step: int) -> NoReturn:
         """Checkpoint (collective), write the marker, consume the request, then raise `Preempted` on every
         rank. The barrier keeps all ranks alive until the marker exists: under torchrun the first rank to
@@ -174,8 +150,8 @@ class PreemptionWatch:
             with atomic_writer(self.marker_path, durable=True) as f:  # read by the batch script, maybe elsewhere
                 json.dump(marker, f, indent=1)
             _remove_quietly(self.request_path)
-        if _distributed():
-            import torch.distributed as dist
+        import torch.distributed as dist
 
+        if dist.is_available() and dist.is_initialized():
             dist.barrier()
         raise Preempted(step, path)

@@ -24,7 +24,7 @@ The non-finite guard needs no collective: a rank whose loss is not finite poison
 (`poison_term`), DDP's all-reduce spreads the NaN, and every rank sees a non-finite global gradient norm: the
 same decision everywhere (nagmoe/train/guards.py). With `log.every` 10 and sync_every 10 (the defaults of the paper
 configs) that is one collective per 10 steps, and rank 0's two path calls (the request file's stat, the lease's
-open) per 10 steps (tools/count_bookkeeping.py counts them). Without a process group the same decisions run with no
+open) per 10 steps (tools/bench/count_bookkeeping.py counts them). Without a process group the same decisions run with no
 collective.
 """
 from __future__ import annotations
@@ -92,7 +92,7 @@ class StepDecisions:
                 head[3] = float(trainer.checkpoint_schedule().rank0_clock_due())
                 lease_error = self._confirm_lease()
                 head[4] = float(lease_error is not None)
-        device = mesh._collective_device() if mesh.distributed else torch.device("cpu")
+        device = mesh.collective_device() if mesh.distributed else torch.device("cpu")
         parts = [torch.tensor(head, dtype=torch.float64, device=device)]
         sums = router = None
         if metrics:

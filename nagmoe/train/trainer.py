@@ -10,10 +10,11 @@ step past `train.flop_budget` (so the run ends within half a step of the budget)
 Distributed (`mesh`, nagmoe.parallel): every rank is a data rank reading its own shard of each global batch;
 replicated parameters go through DDP (no sync on accumulation micro-steps), expert stacks are sharded over
 the EP ranks and their gradients summed over the ranks that replicate them (nagmoe.parallel.grad_sync).
-Everything that decides the control flow agrees over ranks: the logged loss is the mean over ranks, the
-executed fractions (MoD) are averaged over ranks before they price a step (so every rank counts the same
-FLOPs), and the stop flag is all-reduced (MAX), so all ranks stop at the same step. Files are written by
-rank 0; checkpoints are collective. One process runs exactly the single-device code path.
+Everything that decides the control flow agrees over ranks, mostly without a collective of its own: the stop is
+the same arithmetic on identical numbers (MoD's executed fractions come from counts summed with its histograms),
+the non-finite guard agrees through the gradient all-reduce, and the rest (preemption, the checkpoint clock, the
+lease, the logged loss) travels in one all-reduce at sync and metrics steps (nagmoe/train/step_decisions.py).
+Files are written by rank 0; checkpoints are collective. One process runs exactly the single-device code path.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from nagmoe.data import shards
 from nagmoe.data.loader import TokenLoader, TokenShards, check_data_vocab
 from nagmoe.data.prefetch import PrefetchLoader
 from nagmoe.data.bpb import token_bytes
-from nagmoe.base.errors import UserError, warn
+from nagmoe.base.errors import UserError
 from nagmoe.config.flops import flops_per_token
 from nagmoe.model import build_model
 from nagmoe.train.deepspeed_engine import DeepSpeedEngine
@@ -41,7 +42,7 @@ from nagmoe.parallel.expert_parallel import expert_shard_plan, shard_experts
 from nagmoe.parallel.grad_sync import clip_grad_norm_, named_params, sync_expert_grads, wrap_ddp
 from nagmoe.parallel.mesh import ParallelMesh
 from nagmoe.parallel.env import rank_hosts
-from nagmoe.checkpoint import load_checkpoint, save_checkpoint
+from nagmoe.checkpoint import load_checkpoint
 from nagmoe.model.moe import GlobalBalance
 from nagmoe.model.router_health import moe_layers
 from nagmoe.train.mod_accounting import ModAccount
@@ -52,9 +53,7 @@ from nagmoe.train.trainer_run_dir import TrainerRunDir
 from nagmoe.train.wandb_mode import start_wandb
 from nagmoe.train.optim import build_optimizers
 from nagmoe.data.host_copy import to_device
-from nagmoe.train.guards import (
-    EXIT_GATE_COLLAPSE, EXIT_NONFINITE, TrainingHalted, collapsed_fraction, gate_collapse_message, is_nonfinite,
-    fail_at_step_for_a_test, locate_nonfinite, nonfinite_message, realised_gains)
+from nagmoe.train.guards import EXIT_GATE_COLLAPSE, TrainingHalted, fail_at_step_for_a_test, is_nonfinite
 from nagmoe.train.preemption import PreemptionWatch
 from nagmoe.parallel.progress_board import default_board
 from nagmoe.train.hang_watchdog import start_watchdog
@@ -62,13 +61,15 @@ from nagmoe.train.precision_context import TrainingPrecision, reusable_autocast
 from nagmoe.rundir.info import update_run_info, write_summary
 from nagmoe.train.backends_ran import collect as collect_backends_ran, merge as merge_backends_ran
 from nagmoe.train.schedule import injection_warmup, lr_multiplier
-from nagmoe.train.checkpoint_schedule import CheckpointSchedule, save_error
 from nagmoe.train.memory import eager_memory_refusal, micro_batch_rows, plan_loss_recompute
 from nagmoe.train.gc_control import LoopGC
 from nagmoe.train.loop_log import LoopLog
 from nagmoe.train.step_decisions import StepDecisions, poison_term
 from nagmoe.train.validation import validation_bpb
-from nagmoe.train.speed import compile_model, enable_activation_checkpointing, resolve_compile, sdpa_backends
+from nagmoe.train.speed import compile_model, enable_activation_checkpointing, resolve_compile
+from nagmoe.train.backend_report import describe_backends
+from nagmoe.train.trainer_checkpoints import TrainerCheckpoints
+from nagmoe.train.trainer_guards import TrainerGuards
 
 
 @dataclass
@@ -93,22 +94,10 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
-def resolved_backends(model) -> dict:
-    out = {}
-    for i, sub in enumerate(model.sublayers()):
-        for attr in ("impl", "backend"):
-            if hasattr(sub, attr):
-                out.setdefault(f"{type(sub).__name__}.{attr}", getattr(sub, attr))
-    stream = getattr(model, "stream", None)
-    if hasattr(stream, "impl"):  # the NAG update and modulator (model.nag.impl)
-        out[f"{type(stream).__name__}.impl"] = stream.impl
-    calibrator = model.mod_calibrator() if hasattr(model, "mod_calibrator") else None
-    if calibrator is not None:  # model.mod.impl where the model lives: gather | static
-        out["MoD.impl"] = calibrator.resolved_impl(calibrator.threshold.device)
-    return out
-
-
-class Trainer:
+class Trainer(TrainerGuards, TrainerCheckpoints):
+    """The run: set-up (`__init__`), the step (`train_step`), the loop (`run`); the guards' verdicts are
+    trainer_guards.py, the saves trainer_checkpoints.py, what the ranks decide between steps step_decisions.py,
+    the records loop_log.py."""
     in_loop: bool = False  # inside `run`: train_step leaves the metrics to the loop's exchanges
     progress_mode: Optional[str] = None  # `nagmoe train --progress`: auto | lines | off; None: off if quiet, else auto
 
@@ -242,17 +231,7 @@ class Trainer:
             trainable = [p for p in self.replicated_params if p.requires_grad]
             self.poison_param = (min(trainable, key=lambda p: p.numel()) if self.ddp is not None and trainable
                                  else None)
-            self.backends = resolved_backends(self.model)
-            self.backends["compile"] = (f"{compiled['unit']}s ({', '.join(compiled['classes'])}), {compiled['backend']}"
-                                        if compiled else "off")
-            self.backends["loss"] = (f"{compiled['loss'] if compiled else 'eager'}, "
-                                     f"{'chunks recomputed' if self.model.loss_recompute else 'logits kept'}")
-            if any(v in ("sdpa", "flash") for k, v in self.backends.items() if k.endswith("Attention.impl")):
-                self.backends["sdpa"] = sdpa_backends(self.device.type)
-            self.backends["precision"] = t.precision + (", tf32" if torch.backends.cuda.matmul.allow_tf32 and
-                                                        self.device.type == "cuda" else "")
-            if self.precision.rules:
-                self.backends["precision"] += f", cpu bf16 autocast under CUDA's rules of torch {self.precision.rules}"
+            self.backends = describe_backends(self.model, compiled, self.device, t.precision, self.precision.rules)
             hosts = rank_hosts()  # every rank (a collective)
             self.rundir.write_run_info(self.backends, str(self.device),
                                        {"resumed_from": latest, "grad_accum": self.accum, "world_size": world_size,
@@ -440,80 +419,6 @@ class Trainer:
                               and math.isfinite(grad_norm) else None),
                 "moe_max_over_mean": worst_load, **mod, **guard}
 
-    def _nonfinite(self, loss: float, grad_norm, halt: bool = False) -> None:
-        """The non-finite guard fired (nagmoe.train.guards): name where, then halt or count the skip.
-        DeepSpeed (`halt`) always halts: its step is not ours to skip."""
-        x, y = self._last_batch
-        where = locate_nonfinite(self.model, x, y, self.autocast,
-                                 allow_backward=not self.mesh.distributed and self.engine is None)
-        mode = "halt" if halt else self.cfg.train.nonfinite
-        message = nonfinite_message(self.progress.step, loss, grad_norm, where, mode)
-        if mode == "halt":
-            if self.rank == 0:
-                print(f"nagmoe train: error: {message}", file=sys.stderr, flush=True)
-            raise TrainingHalted(message, EXIT_NONFINITE)
-        self.progress.nonfinite_skipped += 1
-        if self.rank == 0:
-            warn(message)
-
-    def _gate_check(self, rec: dict) -> bool:
-        """The gate-collapse alarm (nagmoe.train.guards) on the metrics record `rec` of this step: adds
-        `gate_collapsed_fraction` (and `gate_collapse_alarm`) on check steps; True when the run must stop."""
-        t, m = self.cfg.train, self.cfg.model
-        if (m.residual != "nag" or not t.gate_collapse_every or rec["step"] % t.gate_collapse_every
-                or rec["injection_warmup"] < 1.0):
-            return False
-        gains = realised_gains(self.model, self._last_batch[0], self.autocast)
-        if self.mesh.distributed:  # the batch differs per rank: decide on the mean, identically everywhere
-            gains = list(self.mesh.mean(gains))
-        fraction = collapsed_fraction(gains)
-        rec["gate_collapsed_fraction"] = fraction
-        if fraction <= t.gate_collapse_fraction:
-            return False
-        rec["gate_collapse_alarm"] = True
-        if self.rank == 0:
-            warn(gate_collapse_message(rec["step"], gains, fraction, t.gate_collapse_fraction,
-                                       t.gate_collapse_stop))
-        return t.gate_collapse_stop
-
-    def checkpoint_schedule(self) -> CheckpointSchedule:
-        """When to save and what a failed save does (nagmoe/train/checkpoint_schedule.py); `self.clock` (a
-        test's fake clock) drives the time-based saves."""
-        if getattr(self, "_schedule", None) is None:
-            self._schedule = CheckpointSchedule(self.cfg.train, self.mesh, self.run_dir, self.progress.tokens,
-                                                getattr(self, "clock", time.monotonic))
-        return self._schedule
-
-    def checkpoint(self, milestone: bool = False, fatal: bool = True) -> Optional[str]:
-        """Save this step (collective). A save refused for lack of disk space, or failing with an I/O error,
-        keeps the previous checkpoints and returns None with a one-line warning, unless `fatal` (the last
-        step, a preemption): then it raises that line as a UserError (exit 2)."""
-        schedule, step = self.checkpoint_schedule(), self.progress.step
-        state = {"step": step, "progress": self.progress.as_dict(), "loader": self.loader.state_dict(),
-                 **({"milestone": True} if milestone else {}), **self.routing.extra_state()}
-        refusal = schedule.disk_refusal()
-        if refusal is not None:
-            schedule.failed(step, refusal, fatal)
-            return None
-        started = time.perf_counter()
-        try:
-            if self.engine is not None:
-                path = self.engine.save_checkpoint(self.run_dir, step, state, keep=self.cfg.train.keep_checkpoints,
-                                                   fence=self.fence)
-            else:
-                path = save_checkpoint(self.run_dir, step, self.model, self.optim, state,
-                                       keep=self.cfg.train.keep_checkpoints, shard_plan=self.shard_plan,
-                                       fence=self.fence)
-        except BaseException as e:  # DCP raises CheckpointException (a BaseException) for any rank's failure
-            reason = save_error(e)
-            if reason is None:
-                raise
-            schedule.failed(step, reason, fatal)
-            return None
-        schedule.saved(self.progress.tokens)
-        self._log(f"checkpoint {path}{' (milestone)' if milestone else ''} in {time.perf_counter() - started:.1f} s")
-        return path
-
     def _note_backends_ran(self) -> None:
         """run_info.json's `backends_ran`: what the steps so far actually ran, rewritten when something new ran."""
         if merge_backends_ran(self.backends_ran, collect_backends_ran(self.model)) and self.rank == 0:
@@ -562,35 +467,9 @@ class Trainer:
                 if last or (t.eval_every and step % t.eval_every == 0):
                     with watchdog.phase("an evaluation"):
                         val_bpb = rec["val_bpb"] = self.evaluate(final=last)
-                logged = loop.logged(step, last)
-                written = logged or "val_bpb" in rec
-                sync = decisions.is_sync(step, last)
-                shared = decisions.exchange(step, sync, written, logged) if sync or written else None
-                if written:  # over every rank (the loss, the worst load, the router's telemetry)
-                    shared.into(rec, self.accum)
-                    router = (self.routing.report(self.mesh.ep, self.model, loop.per_layer(step, last))
-                              if logged else None)
-                    if router is not None:
-                        rec["router"] = router
-                loop.timing(rec, written, dt, self.data_wait_s, t.batch_tokens)
-                if written:
-                    loop.add(rec)
-                if sync:  # the lease confirmed on every rank: rank 0 writes the buffered lines
-                    loop.flush()
+                sync, shared = loop.record(rec, decisions, step, last, dt)  # the exchange; lines written at syncs
                 loop.show(rec, self.progress.flops - flops_before, last, val_bpb)
-                save, milestone = self.checkpoint_schedule().due(step, self.progress.tokens, last or gate_stop,
-                                                                 sync and shared.clock_due)
-                preempt = sync and shared.preempt and not last  # the last step ends the run anyway
-                path = None
-                if save and not sync:  # the lines up to a checkpoint are written before it (a sync step's are)
-                    self.fence()
-                    loop.flush()
-                if save:  # steps, minutes (rank 0's clock, at sync steps), milestones, the last step
-                    with watchdog.phase("a checkpoint save"):
-                        path = self.checkpoint(milestone, fatal=last or gate_stop or preempt)
-                if preempt:  # checkpoint (this step's, if just saved), marker, raise Preempted (exit 75)
-                    with watchdog.phase("the preemption checkpoint"):
-                        preemption.stop(lambda: path if path is not None else self.checkpoint(), step)
+                self.save_point(step, last, gate_stop, sync, shared, loop, watchdog, preemption)
                 loop_gc.step_done(step)  # the same step on every rank
                 if gate_stop:
                     raise TrainingHalted(f"stopped by the gate-collapse alarm at step {step} (checkpoint "

@@ -93,7 +93,7 @@ def test_gather_reads_the_host_once_per_sublayer():
 
 
 def test_auto_is_static_on_cuda_only():
-    from nagmoe.train.trainer import resolved_backends
+    from nagmoe.train.backend_report import resolved_backends
 
     assert resolved_backends(r40_small("static"))["MoD.impl"] == "static"  # what the run logs
     assert resolved_backends(r40_small("auto"))["MoD.impl"] == "gather"
