@@ -11,12 +11,13 @@ in progress (or one killed before it published); `step_N.del-<tag>` is a checkpo
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from nagmoe.base.errors import UserError, shown
 from nagmoe.base.files import expect, expect_object, loads_json, read_json, read_text, write_atomic
@@ -24,6 +25,7 @@ from nagmoe.rundir.names import CHECKPOINTS
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
+DCP_METADATA = ".metadata"  # DCP's own index, written by the saving group's coordinator
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_DIR = re.compile(r"^step_(\d+)\.tmp-")  # a save in progress, or one killed before it published
 _HASH_CHUNK = 1 << 22
@@ -61,15 +63,45 @@ def parallel_map(fn: Callable, items: list) -> list:
         return list(pool.map(fn, items))
 
 
-def describe_files(root: str) -> dict:
-    """{relative path: {"sha256", "bytes"}} of every file under `root`, hashed (and fsync'ed) in parallel."""
+def describe_files(root: str, known: Optional[dict] = None) -> dict:
+    """{relative path: {"sha256", "bytes"}} of every file under `root`, hashed (and fsync'ed) in parallel.
+    `known`: entries the ranks that wrote those files hashed themselves (`own_digests`, issue 68); each is taken
+    after a stat confirms its size (a file changed since would fail every load's verification anyway), and only
+    the files it does not list are hashed here. An entry whose file is gone is a FileNotFoundError: the save
+    is incomplete and must not be published."""
+    known = known or {}
     rels = files_under(root)
+    missing = sorted(set(known) - set(rels))
+    if missing:
+        raise FileNotFoundError(errno.ENOENT, "a file its writer hashed is gone", os.path.join(root, missing[0]))
 
     def entry(rel: str) -> dict:
         path = os.path.join(root, rel)
+        if rel in known and os.path.getsize(path) == known[rel]["bytes"]:
+            return known[rel]
         return {"sha256": sha256_and_sync(path), "bytes": os.path.getsize(path)}
 
-    return dict(zip(rels, parallel_map(entry, rels)))
+    hashed = [rel for rel in rels if rel not in known]
+    out = dict(zip(hashed, parallel_map(entry, hashed)))
+    out.update({rel: entry(rel) for rel in rels if rel in known})
+    return dict(sorted(out.items()))
+
+
+def own_files(root: str, rank: int) -> list[str]:
+    """The files DCP's FileSystemWriter wrote for `rank` of the saving group under `root` (`__<rank>_<n>.distcp`),
+    and the coordinator's (rank 0) `.metadata`: what that rank hashes itself."""
+    prefix = f"__{rank}_"
+    return sorted(name for name in os.listdir(root) if (name.startswith(prefix) and name.endswith(".distcp"))
+                  or (rank == 0 and name == DCP_METADATA))
+
+
+def own_digests(root: str, rank: int) -> dict:
+    """{relative path: {"sha256", "bytes"}} of this rank's own files (`own_files`), hashed and fsync'ed in
+    parallel on the rank that wrote them (its page cache, its node: no other rank re-reads them)."""
+    rels = own_files(root, rank)
+    return dict(zip(rels, parallel_map(
+        lambda rel: {"sha256": sha256_and_sync(os.path.join(root, rel)),
+                     "bytes": os.path.getsize(os.path.join(root, rel))}, rels)))
 
 
 def files_under(root: str) -> list[str]:

@@ -5,7 +5,7 @@ written): the state at a step is the state at that step, and replacing a valid c
 which a kill leaves none. Everything else is written under a fresh `step_N.tmp-<tag>` (a random tag, made with
 mkdir by rank 0: a name someone planted in a shared checkpoints/ is never reused or followed, and cannot make a
 save fail), files are fsync'ed while
-hashing, the manifest goes in last, then one `os.rename` publishes the directory. Old checkpoints are removed
+hashing (by the rank that wrote them, for the torch engine: files.own_digests), the manifest goes in last, then one `os.rename` publishes the directory. Old checkpoints are removed
 only after the new one is published (renamed to `*.del-<tag>` first, so a crash mid-delete leaves nothing
 that looks like a checkpoint). Rank 0 alone runs this; the engines call it between their barriers.
 """
@@ -15,6 +15,7 @@ import errno
 import os
 import secrets
 import shutil
+from typing import Optional
 
 from nagmoe.checkpoint.files import (CHECKPOINTS, MANIFEST, STATE, checkpoint_name, describe_files,
                                      is_valid_checkpoint, list_checkpoints, read_checkpoint_state, write_json)
@@ -119,14 +120,16 @@ def _raise_if_moved(tmp: str, final: str, run_dir: str) -> None:
                         f"before it was published; this save published nothing (one writer per run dir)") from None
 
 
-def publish(tmp: str, final: str, run_dir: str, state: dict, keep: int, tag: str) -> None:
+def publish(tmp: str, final: str, run_dir: str, state: dict, keep: int, tag: str,
+            known: Optional[dict] = None) -> None:
     """Write state.json and the manifest into the complete `tmp`, rename it to `final`, prune to `keep`. When
     another writer moves `tmp` (or step_N) away meanwhile, a UserError: the fence's, naming the run dir's new
-    holder, or one saying the directory was moved (`_raise_if_moved`)."""
+    holder, or one saying the directory was moved (`_raise_if_moved`). `known`: digests the writing ranks
+    computed of their own files (files.own_digests); only the rest is hashed here."""
     root = os.path.dirname(final)
     try:
         write_json(os.path.join(tmp, STATE), state)
-        files = describe_files(tmp)
+        files = describe_files(tmp, known)
         write_json(os.path.join(tmp, MANIFEST), {"format": state["format"], "step": state["step"], "files": files})
         fsync_dir(tmp)
         if os.path.lexists(final):  # also a dangling link planted there (exists() would say no, and rename fail)

@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -44,14 +43,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from nagmoe.checkpoint.files import extra_with_step, hash_threads, read_checkpoint_state, verify_checkpoint
+from nagmoe.checkpoint.async_save import BackgroundSave, dcp_writer, gather_digests, merge_gathered
+from nagmoe.checkpoint.files import extra_with_step, read_checkpoint_state, verify_checkpoint
+from nagmoe.checkpoint.save_verdict import raise_verdict, run_for_verdict
 from nagmoe.checkpoint.publish import already_saved, new_save_dir, publish, save_paths
 from nagmoe.checkpoint.rng import capture_rng_state, restore_rank_rng
 from nagmoe.checkpoint.safe_dcp import safe_dcp_load
 from nagmoe.base.errors import UserError
 
 FORMAT = 1  # state.json "format" of a torch-engine checkpoint
-SAVE_FILES_PER_RANK = 4
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -65,9 +65,12 @@ def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """`fn` on rank 0, its result on every rank; its failure raised on every rank (save_verdict.py)."""
+    result, verdict = run_for_verdict(fn, 0) if _rank() == 0 else (None, None)
+    result, verdict = _broadcast_from_rank0((result, verdict))
+    raise_verdict(verdict)
+    return result
 
 
 def _broadcast_from_rank0(obj: Any) -> Any:
@@ -149,15 +152,14 @@ def _ep_degree(shard_plan: Optional[dict]) -> int:
 def _dcp(fn, state: dict, path: str) -> None:
     """dcp.save / dcp.load; single-process when no group is initialised (DCP then warns on every call
     that it assumes one process — which is exactly our intent, so that one warning is silenced). A save
-    writes each rank's tensors as up to SAVE_FILES_PER_RANK files (one writer thread each), so that the
+    writes each rank's tensors as up to async_save.SAVE_FILES_PER_RANK files (one writer thread each), so that the
     manifest's and every load's hashing run in parallel too."""
     no_dist = not _distributed()
     with warnings.catch_warnings():
         if no_dist:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
         if fn is dcp.save:
-            writer = FileSystemWriter(path, thread_count=min(SAVE_FILES_PER_RANK, hash_threads()))
-            fn(state, storage_writer=writer, no_dist=no_dist)
+            fn(state, storage_writer=dcp_writer(path), no_dist=no_dist)
         else:
             fn(state, checkpoint_id=path, no_dist=no_dist)
 
@@ -167,13 +169,20 @@ def _dcp(fn, state: dict, path: str) -> None:
 # ----------------------------------------------------------------------------------------------------------
 def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizers=None,
                     extra_state: Optional[dict] = None, keep: int = 2, shard_plan: Optional[dict] = None,
-                    fence: Optional[Callable[[], None]] = None) -> str:
+                    fence: Optional[Callable[[], None]] = None, background: Optional[BackgroundSave] = None,
+                    lease_check: Optional[Callable[[], None]] = None) -> str:
     """Write RUN_DIR/checkpoints/step_<step>/ atomically; keep the newest `keep`; return its path.
 
     `extra_state` must be JSON-serialisable (tokens, flops, data-loader position, ...); the RNG states of
     every rank are added automatically. Collective when a process group is initialised. `shard_plan`: the
     expert-parallel parameters (module docstring). `fence` (collective, every rank): called just before the
-    publish; it raises when the run dir's lease was taken over, and then nothing is published.
+    publish; it raises when the run dir's lease was taken over, and then nothing is published. Each rank hashes
+    the files it wrote; rank 0 publishes; its failure there is every rank's (save_verdict.py: the same
+    UserError or SaveIOFailure on each, at once).
+
+    `background` (issue 68): the tensors are staged now and written, hashed and published in the background
+    (nagmoe/checkpoint/async_save.py); the path is returned before it is published, `background.settle()` says
+    how it ended. `lease_check` (rank 0, in the background, before the publish) then plays the fence's part.
     """
     if keep < 1:
         raise UserError(f"train.keep_checkpoints: {keep} must be >= 1")
@@ -182,27 +191,40 @@ def save_checkpoint(run_dir: str, step: int, model: nn.Module, optimizers=None,
         raise ValueError(f"extra_state['step']={extra_state['step']} disagrees with step={step}")
     json.dumps(extra_state, allow_nan=False)  # fail on every rank before anything is written
     root, final = save_paths(run_dir, step)
-    if _broadcast_from_rank0(already_saved(final) if _rank() == 0 else None):
+    if _on_rank0(lambda: already_saved(final)):
         return final  # this step is on disk and verifies: re-saving it could only open a window to lose it
     # a fresh step_N.tmp-<random> made by rank 0 (nagmoe.checkpoint.publish.new_save_dir); the broadcast is the barrier
-    tmp, tag = _broadcast_from_rank0(new_save_dir(root, final) if _rank() == 0 else None)
+    tmp, tag = _on_rank0(lambda: new_save_dir(root, final))
+    tensors = _tensor_state(model, _optimizer_list(optimizers), shard_plan)
+    if background is None:
+        _dcp(dcp.save, tensors, tmp)
+    all_rng = _gathered_rng()  # the crash tests' "tensors_written" point on the synchronous path
+    state = {"format": FORMAT, "step": step, "rng": all_rng, "extra": extra_state,
+             "layout": {"world_size": len(all_rng), "ep": _ep_degree(shard_plan)}}
 
-    _dcp(dcp.save, _tensor_state(model, _optimizer_list(optimizers), shard_plan), tmp)
+    def publish_digests(digests: dict) -> None:  # rank 0
+        if lease_check is not None:
+            lease_check()
+        publish(tmp, final, run_dir, state, keep, tag, known=digests)
 
-    rng = capture_rng_state()
-    if _distributed():
-        all_rng: list = [None] * dist.get_world_size()
-        dist.all_gather_object(all_rng, rng)
-    else:
-        all_rng = [rng]
+    if background is not None:
+        background.start(tensors, step, tmp, publish_digests)
+        return final
+    gathered = gather_digests(tmp, _rank())
     if fence is not None:
         fence()
-    if _rank() == 0:
-        layout = {"world_size": len(all_rng), "ep": _ep_degree(shard_plan)}
-        publish(tmp, final, run_dir, {"format": FORMAT, "step": step, "rng": all_rng, "extra": extra_state,
-                                      "layout": layout}, keep, tag)
-    _barrier()
+    _on_rank0(lambda: publish_digests(merge_gathered(gathered)))  # the verdict travels: no rank left waiting
     return final
+
+
+def _gathered_rng() -> list:
+    """Every rank's RNG state, in rank order (on every rank)."""
+    rng = capture_rng_state()
+    if not _distributed():
+        return [rng]
+    all_rng: list = [None] * dist.get_world_size()
+    dist.all_gather_object(all_rng, rng)
+    return all_rng
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizers=None, restore_rng: bool = True,

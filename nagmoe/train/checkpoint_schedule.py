@@ -6,9 +6,12 @@ Saves are due (any of):
     decides at each sync step and every rank follows (the decision rides the loop's one collective,
     nagmoe/train/step_decisions.py), so ranks whose clocks disagree still save together, at most
     `train.sync_every` steps late;
-  * a milestone: each time the run's tokens pass a multiple of `train.keep_milestone_every_tokens`. A
-    milestone is marked in its state.json (`extra.milestone`) and never pruned, so the depth analysis has
-    checkpoints through training (nagmoe.checkpoint.publish.prune).
+  * a milestone: each time the run's tokens pass a multiple of `train.keep_milestone_every_tokens`, never
+    pruned, so the depth analysis has the model through training. `train.milestone_dtype` bf16 | fp32: the
+    weights only, under RUN_DIR/milestones/ (nagmoe/checkpoint/milestone.py), besides the full checkpoints and
+    not one of them: it neither makes a full save due nor restarts the minute clock. `full` (a run dir from
+    before the key): a full checkpoint marked in its state.json (`extra.milestone`), which pruning keeps
+    (nagmoe.checkpoint.publish.prune).
 
 Before a save rank 0 compares the free space of the run dir's file system with the newest checkpoint's size
 (x1.1) and every rank follows its decision. A save that is refused, or fails with an OSError (ENOSPC,
@@ -25,7 +28,9 @@ from typing import Callable, Optional
 
 from nagmoe.checkpoint.files import CHECKPOINTS, list_checkpoints
 from nagmoe.checkpoint.publish import remove_leftovers
+from nagmoe.checkpoint.save_verdict import io_reason
 from nagmoe.base.errors import UserError, warn
+from nagmoe.rundir.names import MILESTONES
 
 DISK_MARGIN = 1.1  # free space needed: the newest checkpoint's size times this
 
@@ -38,6 +43,7 @@ class CheckpointSchedule:
     def __init__(self, train_cfg, mesh, run_dir: str, tokens: int, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.mesh, self.run_dir, self.clock = train_cfg, mesh, run_dir, clock
         self.last_save = clock()
+        self.weights_milestones = train_cfg.milestone_dtype != "full"  # a milestone of its own, not a checkpoint
         every = train_cfg.keep_milestone_every_tokens
         self.milestone_index = tokens // every if every else 0
 
@@ -52,18 +58,32 @@ class CheckpointSchedule:
         return bool(every) and tokens // every > self.milestone_index
 
     def due(self, step: int, tokens: int, last: bool, clock_due: bool = False) -> tuple[bool, bool]:
-        """(save now, as a milestone) after optimizer step `step` with `tokens` seen; `clock_due`: rank 0's clock
-        decision as shared by a sync step (the same on every rank). No collective: the rest is the same
-        arithmetic on every rank."""
+        """(a full checkpoint now, a milestone now) after optimizer step `step` with `tokens` seen; `clock_due`:
+        rank 0's clock decision as shared by a sync step (the same on every rank). No collective: the rest is the
+        same arithmetic on every rank. With `full` milestones a milestone is that checkpoint (saved marked);
+        with weights milestones it is saved on its own, and the checkpoint only when otherwise due."""
         milestone = self.is_milestone(tokens)
         every = self.cfg.checkpoint_every
-        return last or milestone or clock_due or bool(every and step % every == 0), milestone
+        full = last or clock_due or bool(every and step % every == 0)
+        return full or (milestone and not self.weights_milestones), milestone
 
     def saved(self, tokens: int) -> None:
+        """A full checkpoint was written: the minute clock restarts (and a `full` milestone is done)."""
         self.last_save = self.clock()
+        if not self.weights_milestones:
+            self.milestone_saved(tokens)
+
+    def milestone_saved(self, tokens: int) -> None:
         every = self.cfg.keep_milestone_every_tokens
         if every:
             self.milestone_index = tokens // every
+
+    def milestone_failed(self, step: int, reason: str) -> None:
+        """A weights milestone at `step` failed: its partial directory goes, training continues (it is no resume
+        point), one warning; the milestone stays due and is tried again at the next step."""
+        if self.mesh.rank == 0:
+            remove_leftovers(os.path.join(self.run_dir, MILESTONES))
+            warn(f"milestone at step {step} not written ({reason}); training continues")
 
     # --------------------------------------------------------------------------------------------------
     def disk_refusal(self) -> Optional[str]:
@@ -94,12 +114,4 @@ class CheckpointSchedule:
 
 def save_error(exc: BaseException) -> Optional[str]:
     """The one-line reason of a failed save, or None when `exc` is not an I/O failure (then it propagates)."""
-    if isinstance(exc, OSError):
-        return f"{type(exc).__name__}: {exc.strerror or exc}"
-    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-    if isinstance(failures, dict):
-        for wrapped in failures.values():
-            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-            if isinstance(inner, OSError):
-                return f"{type(inner).__name__}: {inner.strerror or inner}"
-    return None
+    return io_reason(exc)

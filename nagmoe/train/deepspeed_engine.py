@@ -48,6 +48,7 @@ from torch import nn
 from nagmoe.checkpoint.deepspeed_layout import (FORMAT, check_deepspeed_state, load_deepspeed_file, read_own_state,
                                                 write_own_state)
 from nagmoe.checkpoint.files import extra_with_step, verify_checkpoint
+from nagmoe.checkpoint.save_verdict import raise_verdict, run_for_verdict
 from nagmoe.checkpoint.publish import already_saved, new_save_dir, publish, save_paths
 from nagmoe.checkpoint.rng import capture_rng_state, restore_rng_state
 from nagmoe.base.errors import UserError
@@ -357,10 +358,11 @@ class DeepSpeedEngine:
         dist.all_gather_object(rngs, capture_rng_state())  # also: every rank's file is written
         if fence is not None:
             fence()
-        if rank == 0:
-            state = {"format": FORMAT, "step": step, "rng": rngs, "extra": extra_state, "layout": self.layout()}
-            publish(tmp, final, run_dir, state, keep, tag)
-        dist.barrier()
+        state = {"format": FORMAT, "step": step, "rng": rngs, "extra": extra_state, "layout": self.layout()}
+        # rank 0 publishes; its failure is every rank's, at once (nagmoe/checkpoint/save_verdict.py)
+        _, verdict = run_for_verdict(lambda: publish(tmp, final, run_dir, state, keep, tag), 0) if rank == 0 \
+            else (None, None)
+        raise_verdict(self.mesh.broadcast(verdict))
         return final
 
     def load_checkpoint(self, path: str, restore_rng: bool = True, verified: bool = False) -> dict:

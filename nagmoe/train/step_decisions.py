@@ -47,6 +47,7 @@ class Shared:
     clock_due: bool = False  # rank 0's checkpoint clock (sync steps)
     loss_sums: Optional[list] = None  # [loss, aux] summed over micro-steps, mean over ranks (metrics steps)
     worst_load: Optional[float] = None  # the step's worst layer max/mean expert load over every rank
+    settle_save: bool = False  # the background save in flight ended on every rank, or failed on one (sync steps)
 
     def into(self, rec: dict, accum: int) -> None:
         """A metrics step's values into the step's record (its loss per micro-step, as the trainer logs it)."""
@@ -84,8 +85,12 @@ class StepDecisions:
         """One all-reduce (SUM, float64) of what this step's decisions need (module docstring); no collective
         without a process group. A lost lease raises the holder's UserError on every rank."""
         trainer, mesh = self.trainer, self.mesh
-        head = [float(step), float(min(step, STEP_CHECK_LIMIT)) ** 2, 0.0, 0.0, 0.0]
+        head = [float(step), float(min(step, STEP_CHECK_LIMIT)) ** 2, 0.0, 0.0, 0.0, 0.0, 0.0]
         lease_error = None
+        background = getattr(trainer, "background_save", None)
+        pending = sync and background is not None and background.pending  # the same on every rank
+        if pending:  # how this rank's background save stands (nagmoe/checkpoint/async_save.py)
+            head[5], head[6] = float(background.failed_locally()), float(not background.done_locally())
         if sync:
             head[2] = float(self.preemption.local_request())
             if mesh.rank == 0:
@@ -116,11 +121,12 @@ class StepDecisions:
         self._check_step(step, values[0], values[1], world)
         if sync:
             out.preempt, out.clock_due = values[2] > 0.5, values[3] > 0.5
+            out.settle_save = pending and (values[5] > 0.5 or values[6] < 0.5)
             if values[4] > 0.5:  # rank 0 saw the lease taken: its line on every rank (a rare extra collective)
                 raise UserError(mesh.broadcast(lease_error) if mesh.distributed else lease_error)
         if sums is not None:
             # the mean over ranks as before (float64 sum / W, back to the step's float32)
-            out.loss_sums = [float(np.float32(v / world)) for v in values[5:7]]
+            out.loss_sums = [float(np.float32(v / world)) for v in values[len(head):len(head) + 2]]
         if worst is not None:
             out.worst_load = float(worst)
         return out

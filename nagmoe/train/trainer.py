@@ -112,6 +112,9 @@ class Trainer(TrainerGuards, TrainerCheckpoints):
         keep its chunks' logits (None: estimated here, up to a minute of CPU at paper width)."""
         check_start_settings()  # every NAGMOE_* setting and job variable: one line now, not hours in
         check_export_available(cfg)  # train.export_hf_at_end needs the hf extra: say so before training
+        if cfg.parallel.engine == "deepspeed" and cfg.train.checkpoint_async == "on":
+            raise UserError("train.checkpoint_async: on is not supported by parallel.engine=deepspeed (DeepSpeed "
+                            "writes its own files, synchronously); use auto or off")
         self.cfg, self.run_dir, self.quiet = cfg, run_dir, quiet
         t, m = cfg.train, cfg.model
         self.device = resolve_device(t.device)
@@ -232,6 +235,7 @@ class Trainer(TrainerGuards, TrainerCheckpoints):
             self.poison_param = (min(trainable, key=lambda p: p.numel()) if self.ddp is not None and trainable
                                  else None)
             self.backends = describe_backends(self.model, compiled, self.device, t.precision, self.precision.rules)
+            self.background_save = self.background_saves()  # train.checkpoint_async (collective when on)
             hosts = rank_hosts()  # every rank (a collective)
             self.rundir.write_run_info(self.backends, str(self.device),
                                        {"resumed_from": latest, "grad_accum": self.accum, "world_size": world_size,
@@ -431,6 +435,8 @@ class Trainer(TrainerGuards, TrainerCheckpoints):
                 return self._run()
         finally:
             self._prefetch.close()  # no prefetch thread left, however the run ends
+            if getattr(self, "background_save", None) is not None:
+                self.background_save.close()  # a save still in flight is not published unless complete
             self.release_lease()
 
     def _run(self) -> dict:
@@ -468,6 +474,8 @@ class Trainer(TrainerGuards, TrainerCheckpoints):
                     with watchdog.phase("an evaluation"):
                         val_bpb = rec["val_bpb"] = self.evaluate(final=last)
                 sync, shared = loop.record(rec, decisions, step, last, dt)  # the exchange; lines written at syncs
+                if sync and shared.settle_save:  # a background save every rank finished, or one that failed
+                    self.settle_saves()
                 loop.show(rec, self.progress.flops - flops_before, last, val_bpb)
                 self.save_point(step, last, gate_stop, sync, shared, loop, watchdog, preemption)
                 loop_gc.step_done(step)  # the same step on every rank
@@ -479,6 +487,7 @@ class Trainer(TrainerGuards, TrainerCheckpoints):
         except TrainingHalted:  # every rank halts together (guards.py): the lines up to the halt are kept
             self.fence()
             loop.flush()
+            self.settle_saves()
             raise
         except RuntimeError as exc:  # a gloo collective past its timeout: one line naming rank, host, step
             halt = watchdog.timed_out(exc)

@@ -18,7 +18,7 @@ from nagmoe.rundir.lease import RunDirLease
 from nagmoe.rundir.names import LEASE_FILE
 
 
-class Killed(Exception):
+class Killed(BaseException):  # a death, not an error: no verdict is made of it (save_verdict.py)
     """A kill between a save's manifest and its rename."""
 
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from crash_driver import FIRST_SAVE_POINTS, RESAVE_POINTS
+from crash_driver import ASYNC_POINTS, FIRST_SAVE_POINTS, RESAVE_POINTS
 from nagmoe.base.errors import UserError
 from nagmoe.checkpoint import MANIFEST, STATE, latest_valid_checkpoint, save_checkpoint
 from trainer_processes import (
@@ -39,8 +39,10 @@ from trainer_processes import (
 KILLED_SAVE = 20  # the save the process is frozen in; the one before it is step 10
 # the newest valid checkpoint on disk after a kill at each point of the step-20 save, and where the resume
 # starts (a complete tmp dir newer than it is published by the resume)
-VALID_ON_DISK = {"tensors_written": 10, "before_publish": 10, "mid_replace": 10, "before_prune": 20, "mid_prune": 20}
-RESUMES_FROM = {"tensors_written": 10, "before_publish": 20, "mid_replace": 20, "before_prune": 20, "mid_prune": 20}
+VALID_ON_DISK = {"tensors_written": 10, "before_publish": 10, "mid_replace": 10, "before_prune": 20, "mid_prune": 20,
+                 "staging": 10, "background_write": 10, "digests": 10}
+RESUMES_FROM = {"tensors_written": 10, "before_publish": 20, "mid_replace": 20, "before_prune": 20, "mid_prune": 20,
+                "staging": 10, "background_write": 10, "digests": 10}
 
 
 def flip_byte(path: str) -> None:
@@ -61,10 +63,10 @@ def crash_config(config_file):
     return config_file("crash", *SHORT, "train.keep_checkpoints=1")
 
 
-def kill_inside_save(point: str, config: str, run_dir: str, tmp_path) -> None:
+def kill_inside_save(point: str, config: str, run_dir: str, tmp_path, *more: str) -> None:
     """Train with the crash driver until the save of KILLED_SAVE reaches `point`, then SIGKILL."""
     ready = str(tmp_path / "frozen")
-    argv = [sys.executable, CRASH_DRIVER, point, str(KILLED_SAVE), ready, "--", *train_args(config, run_dir)]
+    argv = [sys.executable, CRASH_DRIVER, point, str(KILLED_SAVE), ready, "--", *train_args(config, run_dir, *more)]
     proc = start(argv, tmp_path / "crashed.log")
     try:
         wait_for(lambda: os.path.exists(ready), 120, f"the save of step {KILLED_SAVE} to reach {point}", [proc])
@@ -105,6 +107,18 @@ def test_kill_9_inside_a_checkpoint_write_resumes_from_an_intact_checkpoint(poin
     kill_inside_save(point, crash_config, run_dir, tmp_path)
     resume_after_kill(point, crash_config, run_dir, reference)
     assert checkpoint_steps(run_dir) == [f"step_{SHORT_STEPS:06d}"]  # keep=1, leftovers of the kill removed
+
+
+@pytest.mark.parametrize("point", ASYNC_POINTS)
+def test_kill_9_inside_a_background_save_keeps_the_previous_checkpoint(point, crash_config, reference, tmp_path):
+    """Issue 68: a kill at each point of a background save's window (training went on meanwhile, past the save)
+    leaves step_10 published and valid, and no step_20 or a complete one (published by the resume); the resumed
+    run equals the synchronous reference bit for bit."""
+    run_dir = str(tmp_path / "run")
+    kill_inside_save(point, crash_config, run_dir, tmp_path, "train.checkpoint_async=on")
+    assert "step_000020" not in checkpoint_steps(run_dir)  # never published before its manifest
+    resume_after_kill(point, crash_config, run_dir, reference)
+    assert checkpoint_steps(run_dir) == [f"step_{SHORT_STEPS:06d}"]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,14 @@ nagmoe.train.deepspeed_engine). Points, in the order a save passes them:
                    the complete tmp dir is not yet renamed in
   before_prune     step_N is published; older checkpoints are not pruned yet
   mid_prune        an older checkpoint was renamed out of the step_* namespace but not yet deleted
+
+A background save (`train.checkpoint_async=on`, issue 68) passes its own points; training goes on meanwhile except
+at the first (the frozen thread is the save's):
+
+  staging            the main thread is copying the state off the device (nothing written)
+  background_write   the background thread has written this rank's tensor files (not hashed)
+  digests            this rank has hashed its files (no state.json, no manifest, not published)
+  before_publish     as above, in the background thread
 """
 import glob
 import os
@@ -27,6 +35,7 @@ POINTS = ("tensors_written", "before_publish", "mid_replace", "before_prune", "m
 FIRST_SAVE_POINTS = tuple(p for p in POINTS if p != "mid_replace")  # a first save replaces nothing
 # a re-save over an invalid step with keep_checkpoints=2 (checkpoints 10 and 20) prunes nothing
 RESAVE_POINTS = tuple(p for p in POINTS if p != "mid_prune")
+ASYNC_POINTS = ("staging", "background_write", "digests", "before_publish")
 
 
 def _freeze(ready_file: str) -> None:
@@ -85,14 +94,37 @@ def install(point: str, step: int, ready_file: str, run_dir: str) -> None:
                 _freeze(ready_file)
             return real_shutil.rmtree(path, *args, **kwargs)
 
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from nagmoe.checkpoint import async_save
+
+    real_stage, real_write, real_digests = DefaultStager.stage, async_save.BackgroundSave._write, async_save.own_digests
+
+    def stage(self, state_dict, **kwargs):
+        if point == "staging" and saving_target():
+            _freeze(ready_file)
+        return real_stage(self, state_dict, **kwargs)
+
+    def write(self, staged, tmp):
+        real_write(self, staged, tmp)
+        if point == "background_write" and saving_target():
+            _freeze(ready_file)
+
+    def own_digests(root, rank):
+        digests = real_digests(root, rank)
+        if point == "digests" and saving_target():
+            _freeze(ready_file)
+        return digests
+
+    DefaultStager.stage, async_save.BackgroundSave._write, async_save.own_digests = stage, write, own_digests
     torch_layout.capture_rng_state = deepspeed_engine.capture_rng_state = capture_rng_state
     pub.fsync_dir, pub.remove_replaced, pub.prune, pub.shutil = fsync_dir, remove_replaced, prune, Shutil()
 
 
 def main(argv: list[str]) -> int:
     point, step, ready_file, sep, *train_args = argv
-    if point not in POINTS or sep != "--" or "--run-dir" not in train_args:
-        raise SystemExit(f"usage: crash_driver.py {{{'|'.join(POINTS)}}} STEP READY_FILE -- TRAIN_ARGS "
+    if point not in POINTS + ASYNC_POINTS or sep != "--" or "--run-dir" not in train_args:
+        raise SystemExit(f"usage: crash_driver.py {{{'|'.join(POINTS + ASYNC_POINTS)}}} STEP READY_FILE -- TRAIN_ARGS "
                          "(with --run-dir)")
     install(point, int(step), ready_file, train_args[train_args.index("--run-dir") + 1])
     from nagmoe.cli import main as nagmoe_main
