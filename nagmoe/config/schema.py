@@ -167,7 +167,14 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0 = only at the end
     checkpoint_every_minutes: Optional[float] = None  # also save when this much wall time passed (rank 0's clock)
     keep_checkpoints: int = 2
+    # a save written, hashed and published in the background while training goes on (the step waits only for the
+    # copy off the device): auto = on for distributed runs and on CUDA (torch engine); off = every save blocks the
+    # step (a saved config without the key, LEGACY_VALUES); nagmoe/checkpoint/async_save.py
+    checkpoint_async: str = "auto"
     keep_milestone_every_tokens: Optional[int] = None  # also save each time this many tokens pass; never pruned
+    # what a milestone keeps: bf16 | fp32 (the model's weights only, in RUN_DIR/milestones/) | full (a checkpoint
+    # with the optimizer state, in checkpoints/; a saved config without the key: LEGACY_VALUES); checkpoint/milestone.py
+    milestone_dtype: str = "bf16"
     eval_every: int = 0  # 0 = only at the end
     # the final eval's sample: eval_tokens of windows spread over the whole val split (eval_sample: strided) or the
     # split's first windows (first: every run before issue 66, LEGACY_VALUES); nagmoe/data/eval_sample.py
@@ -249,6 +256,8 @@ CHOICES = {
     "train.nonfinite": ("halt", "skip"),
     "train.muon_impl": ("auto", "loop", "stacked"),
     "train.eval_sample": ("strided", "first"),
+    "train.milestone_dtype": ("bf16", "fp32", "full"),
+    "train.checkpoint_async": ("auto", "on", "off"),
     "parallel.engine": ("torch", "deepspeed"),
     "log.wandb": ("off", "offline", "online", "auto"),
 }
@@ -298,6 +307,8 @@ LEGACY_VALUES = {
     "train.gc_every": 0,
     "data.prefetch": 0,
     "train.sync_every": 1,
+    "train.milestone_dtype": "full",
+    "train.checkpoint_async": "off",
 }
 # Keys that may change when a run resumes (the schedule length), per the design contract; also switchable
 # mid-run: logging, checkpoint timing and keeping, the export at the end, and the expert bias's rate (0 freezes
@@ -306,7 +317,8 @@ RESUMABLE_KEYS = ("train.max_steps", "train.flop_budget", "train.eval_every", "t
                   "train.keep_checkpoints", "log.wandb", "train.checkpoint_every_minutes",
                   "train.keep_milestone_every_tokens", "train.export_hf_at_end", "model.moe.bias_update_rate",
                   "train.hang_timeout_s", "train.eval_tokens_during", "train.eval_sample",
-                  "train.gc_every", "data.prefetch", "train.sync_every")
+                  "train.gc_every", "data.prefetch", "train.sync_every", "train.milestone_dtype",
+                  "train.checkpoint_async")
 # Keys of the parallel layout that may change too (issue 25): the torch engine reshards a checkpoint on load
 # (nagmoe.checkpoint.torch_layout), so a run resumes on another world size, EP degree or micro-batch; the
 # global batch (train.batch_tokens) may not change. train.compile (issue 26) changes how the step runs, not

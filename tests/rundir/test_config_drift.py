@@ -43,14 +43,16 @@ def test_config_drift_refuses_listing_the_keys_and_force_overrides(short_config,
                                      "train.checkpoint_every=1", "train.keep_checkpoints=3", "log.wandb=off",
                                      "train.checkpoint_every_minutes=60", "train.keep_milestone_every_tokens=512",
                                      "train.hang_timeout_s=600", "train.eval_tokens_during=128",
-                                     "train.eval_sample=first", "train.gc_every=7", "data.prefetch=1", "train.sync_every=3"])
+                                     "train.eval_sample=first", "train.gc_every=7", "data.prefetch=1", "train.sync_every=3",
+                                     "train.checkpoint_async=on", "train.milestone_dtype=fp32"])
     assert {"train.max_steps", "train.flop_budget", "train.eval_every", "train.checkpoint_every",
             "train.keep_checkpoints", "log.wandb", "train.checkpoint_every_minutes",
             "train.keep_milestone_every_tokens", "train.export_hf_at_end",
             "model.moe.bias_update_rate", "train.hang_timeout_s", "train.eval_tokens_during", "train.eval_sample",
-            "train.gc_every", "data.prefetch", "train.sync_every"} == set(RESUMABLE_KEYS)
+            "train.gc_every", "data.prefetch", "train.sync_every", "train.checkpoint_async",
+            "train.milestone_dtype"} == set(RESUMABLE_KEYS)
     # (the export at the end, the bias's rate: issues 42, 43; the watchdog's limit: issue 51; what the evals measure:
-    # issue 66; the collector and the read-ahead: issue 67)
+    # issue 66; the collector and the read-ahead: issue 67; background saves and what a milestone keeps: issue 68)
     trainer = Trainer(cfg, run_dir, quiet=True)
     assert trainer.progress.step == 2
     trainer.run()
