@@ -18,7 +18,7 @@ pytest_plugins = ["run_variants", "trained_run", "taken_over_run"]
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (tools/gpu_check.sh runs these)")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (tools/gpu_check/gpu_check.sh runs these)")
     for item in items:
         if item.get_closest_marker("gpu"):  # the mark, not the keyword: tests/gpu/'s CPU stand-in tests run here
             item.add_marker(skip_gpu)

@@ -122,7 +122,7 @@ def payload_dtypes_agree(payload: torch.Tensor, group: Optional[object] = None) 
 
 class AllToAllPayloads(TorchDispatchMode):
     """Instrument: (dtype name, bytes) of every floating all-to-all payload, forward and backward, where it enters
-    the functional collective: what the wire carries (tests, tools/bench_ep_payload_bytes.py)."""
+    the functional collective: what the wire carries (tests, tools/bench/bench_ep_payload_bytes.py)."""
 
     def __init__(self):
         super().__init__()

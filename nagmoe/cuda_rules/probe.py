@@ -6,7 +6,7 @@
     python -m nagmoe.cuda_rules.probe --mode tier --rules 2.11 --compare bench.json   # a GPU's dump vs the tier
 
 Prints JSON {sample: {variant: "bfloat16,float32" | "error"}}; with --compare FILE (such a dump, or the bench.json of
-tools/gpu_check.sh, whose env section holds the GPU's), the samples where the two differ, and exit 1 if any do. Variants: every floating input bf16 (`low`),
+tools/gpu_check/gpu_check.sh, whose env section holds the GPU's), the samples where the two differ, and exit 1 if any do. Variants: every floating input bf16 (`low`),
 fp32 (`fp32`), or alternating bf16/fp32 (`mixed`, which tells `promote` from the others). Fake tensors have no
 data, so this runs on a CPU-only torch; it runs under no_grad (FakeTensorMode with autograd on CUDA fake tensors
 aborts the process). A sample's name is its aten op; `name+suffix` adds a case (an explicit `dtype`).
@@ -211,7 +211,7 @@ def _cuda_autocast_raw():
 
 
 def read_dump(path: str) -> dict:
-    """A probe dump from `path`: the dump itself, or the GPU's inside a tools/gpu_check.sh bench.json."""
+    """A probe dump from `path`: the dump itself, or the GPU's inside a tools/gpu_check/gpu_check.sh bench.json."""
     with open(path) as f:
         data = json.load(f)
     if isinstance(data, dict) and "sections" in data:

@@ -59,7 +59,7 @@ class AllToAllDispatcher:
         self.check_payload_dtypes = False
 
     def take_traffic(self) -> dict:
-        """{"calls", "sent", "received"} rows since the last call (tools/bench_ep_imbalance.py), then reset."""
+        """{"calls", "sent", "received"} rows since the last call (tools/bench/bench_ep_imbalance.py), then reset."""
         out, self.traffic = self.traffic, {"calls": 0, "sent": 0, "received": 0}
         return out
 

@@ -14,7 +14,7 @@ Two levels, each read counted once, at the call site in our code that caused it:
     boolean-mask `index` / `index_put_`. An op run inside a counted Python-level read is part of that read.
 The call site is the innermost frame under nagmoe/ (else the innermost frame outside torch): "path:line op".
 `SyncCounter.counts` maps site -> count; `total`, `by_file` summarise. Budgets live in the tests
-(tests/train/test_sync_budget.py) and the tool (tools/count_syncs.py).
+(tests/train/test_sync_budget.py) and the tool (tools/bench/count_syncs.py).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A DCP `.metadata` written by the GPU machine's torch (2.11.0+cu130 on the H200, tools/gpu_check.sh's `dcp`
+"""A DCP `.metadata` written by the GPU machine's torch (2.11.0+cu130 on the H200, tools/gpu_check/gpu_check.sh's `dcp`
 section, 2026-12-04) reads through the restricted unpickler of this torch: a checkpoint saved there loads here.
 The fixture is a tiny model (configs/tiny.yaml, d_model 32, 1 layer, vocab 256) and its AdamW state."""
 import os

@@ -13,7 +13,7 @@ from nagmoe.base.errors import UserError
 
 INSTALLED = version_key(torch.__version__)
 # Ops whose sample cannot run on fake CUDA tensors here (no meta kernel for a CUDA-only kernel, or a fake-device
-# check): their policy is checked by tools/gpu_check.sh's probe on a real GPU. The test fails when one starts
+# check): their policy is checked by tools/gpu_check/gpu_check.sh's probe on a real GPU. The test fails when one starts
 # working, so this list only shrinks.
 UNPROBED_ON_FAKE_CUDA = {"grid_sampler", "gru_cell", "_thnn_fused_gru_cell", "cudnn_convolution",
                          "cudnn_convolution_transpose"}

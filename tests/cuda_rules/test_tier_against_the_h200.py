@@ -1,6 +1,6 @@
 """nagmoe's CPU stand-in for CUDA's autocast rules of torch 2.11 (`NAGMOE_CUDA_RULES=2.11`, nagmoe/cuda_rules/tier.py
 and table.py) against the ground truth: the per-op dtypes the real CUDA autocast of torch 2.11.0+cu130 gave on an
-NVIDIA H200 (`probe --mode cuda`, tools/gpu_check.sh's env section, Python 3.12.3, 2026-12-04; fixture
+NVIDIA H200 (`probe --mode cuda`, tools/gpu_check/gpu_check.sh's env section, Python 3.12.3, 2026-12-04; fixture
 fixtures/h200-torch-2.11-dtype-probe.json). Every sample the CPU can run agrees, in all three input variants; the
 3 that differ are ops with no CPU kernel at all (cuDNN convolutions, the fused GRU cell), which the stand-in reports
 as errors and nagmoe does not use."""

@@ -1,4 +1,4 @@
-"""CUDA fast paths against their references (run by tools/gpu_check.sh). Imports nothing that needs datasets,
+"""CUDA fast paths against their references (run by tools/gpu_check/gpu_check.sh). Imports nothing that needs datasets,
 wandb or deepspeed (the GPU machine has none of them).
 
 Tests of a real CUDA kernel skip without a CUDA device. The fused-NAG comparison also runs on the CPU stand-in
@@ -18,7 +18,7 @@ from nagmoe.ops.nag_fused import NAGOps, resolve_nag_backend
 from nagmoe.train.precision_context import TrainingPrecision
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NO_CUDA = "needs a CUDA device: a real CUDA kernel (tools/gpu_check.sh runs it)"
+NO_CUDA = "needs a CUDA device: a real CUDA kernel (tools/gpu_check/gpu_check.sh runs it)"
 
 
 def needs_cuda(test):

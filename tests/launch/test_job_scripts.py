@@ -447,7 +447,7 @@ def test_cli_renders_hostile_paths_literally_and_refuses_control_characters(tmp_
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Environment numbers: NAGMOE_REQUEUE_POLL_S in the preempted job, GPU_CHECK_* in tools/gpu_check.sh
+# Environment numbers: NAGMOE_REQUEUE_POLL_S in the preempted job, GPU_CHECK_* in tools/gpu_check/gpu_check.sh
 # ----------------------------------------------------------------------------------------------------------
 FAST_CLOCK = """# sourced by bash before the script (BASH_ENV): `sleep N` advances bash's clock by N seconds at once
 sleep() { SECONDS=$((SECONDS + ${1%%.*})); echo "$1" >> "$SLEEP_LOG"; }
@@ -518,10 +518,11 @@ def test_the_trap_writes_the_request_through_a_fresh_temporary(kind, tmp_path, s
 
 
 def gpu_check(out, **env):
-    """tools/gpu_check.sh --cpu with only its `data` section, which fails at its start (GPU_CHECK_FAIL): fast."""
+    """tools/gpu_check/gpu_check.sh --cpu with only its `data` section, which fails at its start (GPU_CHECK_FAIL):
+    fast."""
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_OUT": str(out), "GPU_CHECK_SECTIONS": "data",
            "GPU_CHECK_FAIL": "data", **env}
-    return subprocess.run(["bash", os.path.join(REPO, "tools/gpu_check.sh"), "--cpu"], capture_output=True,
+    return subprocess.run(["bash", os.path.join(REPO, "tools/gpu_check/gpu_check.sh"), "--cpu"], capture_output=True,
                           text=True, timeout=120, env=env)
 
 
@@ -529,7 +530,7 @@ def gpu_check(out, **env):
     {"GPU_CHECK_BUDGET": "1.5"}, {"GPU_CHECK_BUDGET": "a[$(touch${IFS}{M})]"}, {"GPU_CHECK_BUDGET": "2m"},
     {"GPU_CHECK_LIMIT_data": "SECONDS[$(touch${IFS}{M})]"}, {"GPU_CHECK_LIMIT_dcp": "x"}])
 def test_gpu_check_refuses_a_bad_number_before_running_anything(env, tmp_path):
-    """tools/gpu_check.sh: a budget or section limit that is not whole seconds stops it at once, one line,
+    """tools/gpu_check/gpu_check.sh: a budget or section limit that is not whole seconds stops it at once, one line,
     exit 2, nothing run (decisions.md: exit rather than a default, a check must run under the limits asked)."""
     marker = tmp_path / MARK
     env = {k: v.replace("{M}", str(marker)) for k, v in env.items()}
@@ -537,7 +538,7 @@ def test_gpu_check_refuses_a_bad_number_before_running_anything(env, tmp_path):
     done = gpu_check(out, **env)
     assert done.returncode == 2, done.stdout + done.stderr
     name = next(iter(env))
-    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"tools/gpu_check.sh: {name}=")
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"tools/gpu_check/gpu_check.sh: {name}=")
     assert "must be a whole number of seconds" in done.stderr
     assert not marker.exists() and not (out / "bench.json").exists()
 

@@ -1,5 +1,5 @@
 """Issue 28, item 3: the all-to-all's balance under MoD on 2 real gloo ranks with parallel.ep=2
-(tools/bench_ep_imbalance.py through the Trainer): every row sent is received, full depth sends N·K rows from
+(tools/bench/bench_ep_imbalance.py through the Trainer): every row sent is received, full depth sends N·K rows from
 every rank, MoD sends only its executed tokens' slots, and the report's imbalance figures are well formed.
 Issue 43, item 5: the same tool's expert-balancing study (--balance) on 4 ranks."""
 import os
@@ -10,7 +10,7 @@ import pytest
 from gloo_ranks import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tools"))
+sys.path.insert(0, os.path.join(REPO, "tools", "bench"))
 
 pytestmark = pytest.mark.distributed
 
@@ -45,7 +45,7 @@ def balance_on_rank(overrides, work):
 
 
 def test_the_balance_study_on_four_ranks(micro_overrides, tmp_path):
-    """Issue 43 item 5 (tools/bench_ep_imbalance.py --balance) on 4 gloo ranks, EP=4: the round-robin control is
+    """Issue 43 item 5 (tools/bench/bench_ep_imbalance.py --balance) on 4 gloo ranks, EP=4: the round-robin control is
     exactly even (EP max/mean 1, no slot dropped even at capacity 1.0); a dropless run drops nothing; the receive
     peak is at least every (step, layer)'s EP max/mean; the bias moved only where it is on."""
     overrides = [*micro_overrides, "train.micro_batch_tokens=64", "model.moe.n_experts=8", "model.nag.C=8"]

@@ -1,4 +1,4 @@
-"""`tools/bench_suite.py --device cuda`: its cca and mod sections put their work on the device asked for (on the
+"""`tools/bench/bench_suite.py --device cuda`: its cca and mod sections put their work on the device asked for (on the
 parent of issue 52 they ignored --device and timed the CPU). Driven on the stand-in GPU host
 (tests/perf/gpu_host): asked for cuda, each bench reaches CUDA work; asked for the CPU, it runs there."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ def run_bench(repo_root, name: str, device: str) -> subprocess.CompletedProcess:
     code = (f"import os, bench_cca, bench_mod\nREPO = {repo_root!r}\n"
             f"out = {CALLS[name].format(device=device)}\nprint('ran', sorted(out)[:3])\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.join(HERE, "gpu_host"), os.path.join(repo_root, "tools"),
+           "PYTHONPATH": os.pathsep.join([os.path.join(HERE, "gpu_host"), os.path.join(repo_root, "tools", "bench"),
                                           repo_root])}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
 

@@ -1,4 +1,4 @@
-"""tools/bench_eval_sample.py (issue 66): on two copies of one trained run, every sample's paired difference is 0
+"""tools/bench/bench_eval_sample.py (issue 66): on two copies of one trained run, every sample's paired difference is 0
 with a paired standard error of 0, while the unpaired one (the windows' own variation) is not; the old sample is
 the split's first windows, the new one the whole split."""
 import json
@@ -7,7 +7,7 @@ import shutil
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tools"))
+sys.path.insert(0, os.path.join(REPO, "tools", "bench"))
 
 import bench_eval_sample  # noqa: E402
 

@@ -1,7 +1,7 @@
-"""Issue 28's block benchmark (`tools/bench_mod.py --block`, tools/bench_mod_block.py) in its smoke size: both
-sublayers skip the asked share of tokens, every rate gets a paired median speed-up inside its bootstrap interval,
-the charged and the executed-with-padding FLOP ratios, the realised share and a verdict, and the profile table
-by kind of op. A measurement, not a timed test: nothing here asserts a speed."""
+"""Issue 28's block benchmark (`tools/bench/bench_mod.py --block`, tools/bench/bench_mod_block.py) in its smoke
+size: both sublayers skip the asked share of tokens, every rate gets a paired median speed-up inside its bootstrap
+interval, the charged and the executed-with-padding FLOP ratios, the realised share and a verdict, and the profile
+table by kind of op. A measurement, not a timed test: nothing here asserts a speed."""
 import json
 import os
 import subprocess
@@ -12,8 +12,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_block_benchmark_smoke_reports_every_field(tmp_path):
     out = tmp_path / "block.json"
-    r = subprocess.run([sys.executable, "tools/bench_mod.py", "--block", "--smoke", "--threads", "1", "--profile", "1",
-                        "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "tools/bench/bench_mod.py", "--block", "--smoke", "--threads", "1", "--profile",
+                        "1", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "NAGMOE_CUDA_RULES": "2.11"})
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -52,7 +52,7 @@ def test_a_profiled_step_with_page_faults_is_retaken(monkeypatch):
     """Fresh pages under the profiler inflated the element-wise rows of the table 5-15x (docs/benchmarks.md,
     issue 59): a profiled step that faults is retaken after an unprofiled one, and the one kept has no faults.
     The fault counter is the test's (the OS's cannot be made to fault on demand): 5,000 on the first step."""
-    monkeypatch.syspath_prepend(os.path.join(REPO, "tools"))
+    monkeypatch.syspath_prepend(os.path.join(REPO, "tools", "bench"))
     import torch
     import bench_mod_block as b
 
@@ -75,7 +75,7 @@ def test_caching_allocator_keeps_a_one_gib_tensor_in_the_heap():
     below the program break, in the heap that is never trimmed. (Whether glibc then reuses it is not
     deterministic, measured: hence `--allocator jemalloc` and the faults in every result.) In a child process:
     mallopt changes the whole process's allocator."""
-    code = ("import sys, ctypes, ctypes.util; sys.path.insert(0, 'tools'); import torch, bench_mod_block as b\n"
+    code = ("import sys, ctypes, ctypes.util; sys.path.insert(0, 'tools/bench'); import torch, bench_mod_block as b\n"
             "libc = ctypes.CDLL(ctypes.util.find_library('c')); libc.sbrk.restype = ctypes.c_void_p\n"
             "libc.sbrk.argtypes = [ctypes.c_long]\n"
             "assert b.use_caching_allocator()\n"
@@ -91,13 +91,14 @@ def test_jemalloc_allocator_runs_the_block_under_jemalloc(tmp_path):
     a re-run where it still did not load stops with one line and exit 2 instead of looping."""
     out = tmp_path / "block.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, "tools/bench_mod.py", "--block", "--smoke", "--threads", "1", "--allocator",
-                        "jemalloc", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run([sys.executable, "tools/bench/bench_mod.py", "--block", "--smoke", "--threads", "1",
+                        "--allocator", "jemalloc", "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["allocator"] == "jemalloc (dirty_decay_ms:-1,muzzy_decay_ms:-1)"
     assert set(result["minor_faults_per_step"]) == {"0", "0.2"}
-    r = subprocess.run([sys.executable, "tools/bench_mod.py", "--block", "--smoke", "--allocator", "jemalloc"],
+    r = subprocess.run([sys.executable, "tools/bench/bench_mod.py", "--block", "--smoke", "--allocator", "jemalloc"],
                        cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**env, "NAGMOE_BENCH_JEMALLOC": "1", "LD_PRELOAD": ""})
     assert r.returncode == 2 and "Traceback" not in r.stderr
@@ -109,8 +110,8 @@ def test_attention_kernel_benchmark_smoke_times_the_three_paths(tmp_path):
     """`--block --attention-kernels`: full causal attention, and the executed queries through the blocked SDPA
     and through the chunked CPU kernel (several chunks even at smoke size), as ratios to full causal."""
     out = tmp_path / "kernels.json"
-    r = subprocess.run([sys.executable, "tools/bench_mod.py", "--block", "--attention-kernels", "--smoke", "--threads",
-                        "1", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "tools/bench/bench_mod.py", "--block", "--attention-kernels", "--smoke",
+                        "--threads", "1", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -124,7 +125,7 @@ def test_attention_kernel_benchmark_smoke_times_the_three_paths(tmp_path):
 def test_fixed_time_fit_recovers_a_line_and_its_fixed_share():
     """A step whose time is 0.15 of full depth's whatever it executes plus 0.85 x its charged FLOP ratio: the fit
     over several rates returns that fixed share, and a noisy point moves it, not the point through full depth."""
-    sys.path.insert(0, os.path.join(REPO, "tools"))
+    sys.path.insert(0, os.path.join(REPO, "tools", "bench"))
     from bench_mod_block import fixed_time_fit
 
     xs = (0.9, 0.8, 0.7)

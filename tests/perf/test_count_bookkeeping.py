@@ -1,4 +1,4 @@
-"""tools/count_bookkeeping.py (issue 67, item 1): on 2 gloo ranks, a 2-step and a 4-step run of the micro model
+"""tools/bench/count_bookkeeping.py (issue 67, item 1): on 2 gloo ranks, a 2-step and a 4-step run of the micro model
 (EP=1) give every class and path kind a finite, non-negative marginal count per step, and the known per-step
 bookkeeping shows up at its sites: the two `should_stop` all-reduces (trainer.py), the preemption check's
 all-reduce and its stat of the request file (preemption.py). A smoke test of the counter, not a bar on the counts."""
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tools"))
+sys.path.insert(0, os.path.join(REPO, "tools", "bench"))
 
 import count_bookkeeping  # noqa: E402
 

@@ -1,5 +1,5 @@
-"""`tools/gpu_check.sh --cpu`: the GPU check's sections at tiny size, with datasets, wandb and deepspeed hidden
-from every import (as on the GPU machine). Every section's result lands in bench.json as it ends; a section that
+"""`tools/gpu_check/gpu_check.sh --cpu`: the GPU check's sections at tiny size, with datasets, wandb and deepspeed
+hidden from every import (as on the GPU machine). Every section's result lands in bench.json as it ends; a section that
 fails or is killed at its limit records that, and the next sections still run."""
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ LEASE = ("env", "data", "train_nag", "train_nag_mod20", "mod_speed")  # --lease:
 
 def gpu_check(repo_root, out, *flags, **env_extra):
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_OUT": str(out), "OMP_NUM_THREADS": "1", **env_extra}
-    proc = subprocess.run(["bash", os.path.join(repo_root, "tools/gpu_check.sh"), "--cpu", *flags], cwd=repo_root,
-                          env=env, capture_output=True, text=True, timeout=330)
+    proc = subprocess.run(["bash", os.path.join(repo_root, "tools/gpu_check/gpu_check.sh"), "--cpu", *flags],
+                          cwd=repo_root, env=env, capture_output=True, text=True, timeout=330)
     return proc, json.loads((out / "bench.json").read_text())
 
 
@@ -171,7 +171,7 @@ def test_the_blocker_really_hides_the_optional_packages(repo_root, tmp_path):
     """The blocker the script installs makes the optional packages missing even where they are installed (datasets,
     wandb, deepspeed and transformers are, here): `import` raises ModuleNotFoundError and find_spec returns None,
     as for a package that is not there (on the parent the blocker raised from find_spec instead)."""
-    script = open(os.path.join(repo_root, "tools/gpu_check.sh")).read()
+    script = open(os.path.join(repo_root, "tools/gpu_check/gpu_check.sh")).read()
     blocker = script.split("<<'PYEOF'\n", 1)[1].split("PYEOF\n", 1)[0]
     (tmp_path / "sitecustomize.py").write_text(blocker)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{repo_root}"}

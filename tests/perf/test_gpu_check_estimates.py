@@ -1,5 +1,5 @@
 """Issue 39: the GPU check fits its lease. Its memory estimates are computed on a CPU ahead of time and committed
-(tools/gpu_check_estimates.json): they must be current; a config or code change makes an entry stale; the GPU
+(tools/gpu_check/gpu_check_estimates.json): they must be current; a config or code change makes an entry stale; the GPU
 sections' limits add up to the budget; the tools import one another without a circle. Issue 52: the estimates'
 code digest is the same under every Python 3.10-3.13 found here (the GPU machine runs 3.12)."""
 import ast
@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOLS = os.path.join(REPO, "tools")
-PYTHONS = ("3.10", "3.11", "3.12", "3.13")  # 3.12: the GPU machine's (tools/gpu_check.sh)
+TOOLS = os.path.join(REPO, "tools", "gpu_check")
+PYTHONS = ("3.10", "3.11", "3.12", "3.13")  # 3.12: the GPU machine's (tools/gpu_check/gpu_check.sh)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def estimates():
 
 def test_the_committed_estimates_are_current(estimates):
     """Fails when the model, the estimator, the rules tier or a check config changed since the JSON was written:
-    rerun `python tools/gpu_check_estimates.py --write` (under a minute) and commit the JSON."""
+    rerun `python tools/gpu_check/gpu_check_estimates.py --write` (under a minute) and commit the JSON."""
     assert estimates.problems() == []
     entries = estimates.read()["entries"]
     assert set(entries) == {estimates.key(n, r) for n in estimates.PAPER for r in estimates.RULES}
@@ -108,7 +108,7 @@ def test_the_code_digest_ignores_comments_and_line_breaks(estimates):
 
 def _lists(branch: str) -> dict:
     """{"SECTIONS" | "LEASE" | "ON_REQUEST": {section: limit}, "FULL_BUDGET" | "LEASE_BUDGET": seconds} of one
-    branch of tools/gpu_check.sh's `if [[ $MODE == cpu ]]`."""
+    branch of tools/gpu_check/gpu_check.sh's `if [[ $MODE == cpu ]]`."""
     out = {name: {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", body)}
            for name, body in re.findall(r"\b(SECTIONS|LEASE|ON_REQUEST)=\(([^)]*)\)", branch)}
     out.update({k: int(v) for k, v in re.findall(r"\b(FULL_BUDGET|LEASE_BUDGET)=(\d+)", branch)})

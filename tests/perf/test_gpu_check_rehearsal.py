@@ -1,4 +1,4 @@
-"""The GPU machine's run of `tools/gpu_check.sh`, rehearsed on the CPU (issue 52): the script in GPU mode (the
+"""The GPU machine's run of `tools/gpu_check/gpu_check.sh`, rehearsed on the CPU (issue 52): the script in GPU mode (the
 GPU's sizes, limits and section order), with only the GPU image's packages importable (the script's own blocker)
 and a stand-in GPU host (tests/perf/gpu_host/sitecustomize.py): `torch.cuda.is_available()` is True and the device
 answers as an H200, so every section takes its CUDA branches, but the first CUDA work raises `CudaWorkReached`.
@@ -45,7 +45,7 @@ def rehearse(repo_root, tmp_path) -> tuple[subprocess.CompletedProcess, dict, li
            "GPU_CHECK_SECTIONS": ",".join(SECTIONS)}
     for var in ("NAGMOE_CUDA_RULES", "CUDA_VISIBLE_DEVICES", "GPU_CHECK_BUDGET"):
         env.pop(var, None)
-    proc = subprocess.run(["bash", os.path.join(repo_root, "tools/gpu_check.sh")], cwd=repo_root, env=env,
+    proc = subprocess.run(["bash", os.path.join(repo_root, "tools/gpu_check/gpu_check.sh")], cwd=repo_root, env=env,
                           capture_output=True, text=True, timeout=420)
     reached = []
     if log.exists():

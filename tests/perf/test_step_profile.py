@@ -1,4 +1,4 @@
-"""tools/step_profile.py: a profiled training step split by region (issue 60). The regions partition the step's
+"""tools/bench/step_profile.py: a profiled training step split by region (issue 60). The regions partition the step's
 launches, and each sublayer's backward is found (its forward alone is fewer launches than its region)."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tools"))
+sys.path.insert(0, os.path.join(REPO, "tools", "bench"))
+sys.path.insert(0, os.path.join(REPO, "tools", "gpu_check"))  # gpu_check_profile
 
 import step_profile  # noqa: E402
 

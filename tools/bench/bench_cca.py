@@ -1,8 +1,8 @@
 """Benchmark: CCA vs MHA attention sublayer — forward+backward time and KV-cache bytes per token, as ratios
 measured side by side in one process, written as JSON.
 
-    python tools/bench_cca.py                                   # paper width (configs/paper/nag-r40.yaml), seq 2048
-    python tools/bench_cca.py --config configs/tiny.yaml --seq-len 256 --iters 5 --out bench_cca.json
+    python tools/bench/bench_cca.py                             # paper width (configs/paper/nag-r40.yaml), seq 2048
+    python tools/bench/bench_cca.py --config configs/tiny.yaml --seq-len 256 --iters 5 --out bench_cca.json
 
 The CCA module is the config's attention (`model.attention`, kind cca); the MHA baseline is the same width
 with `n_heads` full heads (kind mha, no GQA). Each iteration times one forward and one forward+backward of
@@ -24,14 +24,14 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from nagmoe.config import load_config  # noqa: E402
 from nagmoe.flops import forward_flops_per_token, param_counts  # noqa: E402
 from nagmoe.model.attention import AttentionCache, build_attention  # noqa: E402
-from bench_output import emit_json  # noqa: E402  (tools/)
+from bench_output import emit_json  # noqa: E402  (tools/bench/)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _variants(model_cfg):

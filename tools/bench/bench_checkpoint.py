@@ -1,6 +1,6 @@
 """Checkpoint save / verify / resume at the size of a paper run (issue 21, point 4), side by side in one process.
 
-    python tools/bench_checkpoint.py [--gb 7.6] [--dir /tmp/x] [--out bench_checkpoint.json]
+    python tools/bench/bench_checkpoint.py [--gb 7.6] [--dir /tmp/x] [--out bench_checkpoint.json]
 
 A synthetic state (fp32 tensors of 256 MiB each, `--gb` in total: r40's model + optimizer state is ~7.6 GB)
 is saved with `save_checkpoint` (DCP write, then the manifest: every file hashed in parallel threads), then:
@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

@@ -4,14 +4,14 @@ once with MoD — through the Trainer, on the offline Shakespeare corpus (prepar
 training forward's all-to-all rows are counted per rank and MoE layer (`AllToAllDispatcher.take_traffic`, free:
 the split sizes are read anyway).
 
-    python tools/bench_ep_imbalance.py [--config configs/tiny-mod20.yaml --steps 40 --out ep.json] [overrides]
+    python tools/bench/bench_ep_imbalance.py [--config configs/tiny-mod20.yaml --steps 40 --out ep.json] [overrides]
 
 Per step and MoE layer: received rows (the slots this rank's experts compute) and sent rows (this rank's
 executed tokens x top_k); the imbalance is max over ranks / mean over ranks — the slowest rank sets the step's
 pace, so 1.0 is even and 1.2 means the busiest rank works 20% more than average. Reported as mean, p95 and max
 over steps and layers, for received and sent rows, beside the mean executed share of MoE tokens per rank.
 
-    python tools/bench_ep_imbalance.py --balance [--ranks 4 --steps 40 --capacity-factors none 1.25]
+    python tools/bench/bench_ep_imbalance.py --balance [--ranks 4 --steps 40 --capacity-factors none 1.25]
 
 Expert balancing (issue 43) at full depth on `--ranks` gloo ranks with parallel.ep = ranks: the loss-free expert
 bias at γ in {0, 1e-3, 1e-2} (model.moe.expert_bias on; γ = 0 is the plain router) and a bench-only round-robin
@@ -33,10 +33,10 @@ import tempfile
 import torch
 import torch.multiprocessing as mp
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from bench_output import emit_json  # noqa: E402  (tools/)
+from bench_output import emit_json  # noqa: E402  (tools/bench/)
 
 # MoD from the first step (no warm-up), so a short run measures the regime of a long one
 MOD_NOW = ("model.mod.start_tokens=0", "model.nag.warmup_tokens=0")

@@ -1,6 +1,7 @@
 """Bytes one expert-parallel MoE layer sends through its all-to-alls per step, by direction and dtype (issue 38).
 
-    python tools/bench_ep_payload_bytes.py [--tokens 2048] [--d-model 256] [--experts 8] [--top-k 2] [--hidden 512]
+    python tools/bench/bench_ep_payload_bytes.py [--tokens 2048] [--d-model 256] [--experts 8] [--top-k 2]
+                                                 [--hidden 512]
 
 Two real gloo processes (EP 2), one forward and backward of one MoE layer (loop experts, which run on both sides
 of issue 38's fix) under CPU bf16 autocast with CUDA's rules of torch 2.11. Every floating all-to-all payload is

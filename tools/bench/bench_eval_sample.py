@@ -4,7 +4,7 @@ on sub-samples of that split: the old sample (the first `--old-tokens` in stored
 size, and the whole split; paired (nagmoe/analysis/paired.py) and unpaired (each run's own error over windows,
 combined as if the runs had been scored on independent samples). Also the scoring's tokens/s on this machine.
 
-    python tools/bench_eval_sample.py runs/demo/baseline-s0 runs/demo/nag-s0 runs/demo/nag-mod20-s0 \
+    python tools/bench/bench_eval_sample.py runs/demo/baseline-s0 runs/demo/nag-s0 runs/demo/nag-mod20-s0 \
         --pairs 1:0 2:1 [--old-tokens 65536] [--threads 1] [--out bench.json]
 
 Pairs are `VARIANT:REFERENCE` indices into the run dirs. Writes JSON (--out) and prints a table.
@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 import numpy as np  # noqa: E402

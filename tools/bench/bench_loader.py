@@ -1,8 +1,8 @@
 """Benchmark: TokenLoader throughput (tokens/s handed to the trainer), written as JSON.
 
-    python tools/bench_loader.py                          # prepares configs/tiny.yaml's data if missing
-    python tools/bench_loader.py --data-dir data/shakespeare --seq-len 2048 --batch-rows 8
-    python tools/bench_loader.py --synthetic 50000000     # random ids, no `datasets` needed (GPU machine)
+    python tools/bench/bench_loader.py                          # prepares configs/tiny.yaml's data if missing
+    python tools/bench/bench_loader.py --data-dir data/shakespeare --seq-len 2048 --batch-rows 8
+    python tools/bench/bench_loader.py --synthetic 50000000     # random ids, no `datasets` needed (GPU machine)
 
 Each case times `--steps` batches after `--warmup` batches, on one rank of `--world-size`; `open_s` is the
 time to open the split (including the sha256 check of every shard). Compare tokens_per_s with the
@@ -20,13 +20,13 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from nagmoe.config import load_config  # noqa: E402
 from nagmoe.data import shards  # noqa: E402
 from nagmoe.data.loader import TokenLoader, iter_eval_batches  # noqa: E402
 from nagmoe.data.prepare import ensure_prepared  # noqa: E402
-from bench_output import emit_json  # noqa: E402  (tools/)
+from bench_output import emit_json  # noqa: E402  (tools/bench/)
 
 
 def synthetic_data_dir(root: str, n_tokens: int, vocab_size: int, shard_tokens: int, seed: int = 0) -> str:

@@ -1,12 +1,12 @@
 """Benchmark: Mixture-of-Depths vs full depth on the same model — training tokens/s (forward + backward) side by
 side with the executed-FLOP ratio, written as JSON.
 
-    python tools/bench_mod.py                                            # configs/tiny-mod20.yaml, 8 x 256
-    python tools/bench_mod.py --config configs/tiny-mod20.yaml --rows 8 --iters 10 --out bench_mod.json
-    python tools/bench_mod.py --block [--repeats 7 --inner 3 --rates 0.1,0.2,0.3 --block-rows 1 --profile 2
+    python tools/bench/bench_mod.py                                            # configs/tiny-mod20.yaml, 8 x 256
+    python tools/bench/bench_mod.py --config configs/tiny-mod20.yaml --rows 8 --iters 10 --out bench_mod.json
+    python tools/bench/bench_mod.py --block [--repeats 7 --inner 3 --rates 0.1,0.2,0.3 --block-rows 1 --profile 2
                                        --allocator caching|jemalloc|default --threads 1 --smoke] [overrides]
                                                                              # bench_mod_block.py
-    python tools/bench_mod.py --block --attention-kernels [--repeats 15 --inner 3 --smoke]   # the score kernel
+    python tools/bench/bench_mod.py --block --attention-kernels [--repeats 15 --inner 3 --smoke]   # the score kernel
 
 One model, one set of weights: the MoD variant uses thresholds at the config's skip rate, taken from the score
 histograms of a calibration forward (`set_mod_skip_rate`, as the generate dial does); the full-depth variant
@@ -30,14 +30,14 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from nagmoe.config import load_config  # noqa: E402
 from nagmoe.flops import flops_per_token  # noqa: E402
 from nagmoe.model import build_model  # noqa: E402
-from bench_output import emit_json  # noqa: E402  (tools/)
+from bench_output import emit_json  # noqa: E402  (tools/bench/)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _step_seconds(model, idx) -> tuple[float, float]:
@@ -158,7 +158,8 @@ def main(argv=None) -> int:
                     help="also profile STEPS steps per variant: time in FLOP-counted ops vs the rest")
     ap.add_argument("--block", action="store_true",
                     help="one block of the r40 paper config at seq 2048, MoD 0/10/20/30%% vs full depth "
-                         "(tools/bench_mod_block.py): paired repeats, bootstrap CI, realised share of the FLOP gain")
+                         "(tools/bench/bench_mod_block.py): paired repeats, bootstrap CI, realised share of the "
+                         "FLOP gain")
     ap.add_argument("--repeats", type=int, default=7, help="--block: paired repeats")
     ap.add_argument("--inner", type=int, default=3, help="--block: steps per variant and repeat (the fastest kept)")
     ap.add_argument("--rates", default=None, help="--block: comma-separated skip rates (default 0.1,0.2,0.3)")

@@ -1,6 +1,6 @@
 """MoD block benchmark (issue 28): one transformer block of the final r40 paper config (d 512, CCA, 32 experts
 top-4 of width 2048, NAG), sequence 2048, forward + backward, Mixture-of-Depths at 0/10/20/30% token skip on
-both sublayers against full depth (`python tools/bench_mod.py --block`).
+both sublayers against full depth (`python tools/bench/bench_mod.py --block`).
 
 Method. One block, one set of weights, one input state (NAG direction and log-norm) with a gradient. For a
 skip rate r each sublayer's threshold is the r-quantile of its rotation scores on this input (the
@@ -42,7 +42,7 @@ import torch
 
 from nagmoe.train.precision_context import TrainingPrecision
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(REPO, "configs", "paper", "nag-mod20-r40.yaml")
 RATES = (0.1, 0.2, 0.3)
 SMOKE = ("model.d_model=64", "model.attention.n_heads=8", "model.moe.n_experts=4", "model.moe.top_k=2",

@@ -1,6 +1,6 @@
 """Bytes one MoE layer saves for backward under CUDA's autocast rules (issue 38), before and after ReLU² became r·r.
 
-    python tools/bench_moe_saved_bytes.py [--tokens 2048] [--d-model 256] [--experts 8] [--top-k 2] [--hidden 512]
+    python tools/bench/bench_moe_saved_bytes.py [--tokens 2048] [--d-model 256] [--experts 8] [--top-k 2] [--hidden 512]
 
 Distinct storages saved by autograd inside the layer (nagmoe.cuda_rules.contracts.SavedActivationCheck), one
 forward on the CPU under `cuda_rules_autocast("2.11")`. "before" swaps the loop path's activation back to

@@ -1,6 +1,6 @@
 """The Muon step at r40's shapes on 1, 2 and 4 gloo ranks: distributed Muon (issue 25, item 5) against today's.
 
-    python tools/bench_muon.py [--config configs/paper/nag-r40.yaml] [--layers 1] [--steps 1]
+    python tools/bench/bench_muon.py [--config configs/paper/nag-r40.yaml] [--layers 1] [--steps 1]
                                [--layouts 1x1,2x1r,2x1,4x1r,4x1,4x2r,4x2] [--out bench_muon.json]
 
 Only Muon's parameters are built (names and shapes from the model built on the meta device, `--layers` of the
@@ -31,9 +31,9 @@ import socket
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_layout(text: str) -> dict:

@@ -2,7 +2,7 @@
 pre-norm model of the same internals, `legacy` vs `uniform`, interleaved repeats in one process; prints the
 median step time of each and the ratios (NAG / pre-norm per policy: the residual's own cost).
 
-    python tools/bench_precision.py [--d-model 256 --vocab 8192 --seq 512 --rows 4 --repeats 7]
+    python tools/bench/bench_precision.py [--d-model 256 --vocab 8192 --seq 512 --rows 4 --repeats 7]
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 

@@ -1,7 +1,7 @@
 """Benchmark: the wait for batches hidden behind the step by data.prefetch (issue 67 item 4), written as JSON.
 
-    python tools/bench_prefetch.py                                   # synthetic shards, the default grid
-    python tools/bench_prefetch.py --latency-ms 5 20 --step-ms 20 --step-kind sleep matmul
+    python tools/bench/bench_prefetch.py                                   # synthetic shards, the default grid
+    python tools/bench/bench_prefetch.py --latency-ms 5 20 --step-ms 20 --step-kind sleep matmul
 
 A real `TokenLoader` (random ids, a temporary data dir) is slowed by an injected latency: each batch sleeps
 `--latency-ms` before the real read (a slow filesystem, a busy page cache). The step is a stand-in for the
@@ -29,12 +29,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from nagmoe.data.loader import TokenLoader  # noqa: E402
 from nagmoe.data.prefetch import PrefetchLoader  # noqa: E402
-from bench_loader import synthetic_data_dir  # noqa: E402  (tools/)
-from bench_output import emit_json  # noqa: E402  (tools/)
+from bench_loader import synthetic_data_dir  # noqa: E402  (tools/bench/)
+from bench_output import emit_json  # noqa: E402  (tools/bench/)
 
 
 class Slowed:

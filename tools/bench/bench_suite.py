@@ -1,9 +1,10 @@
 """Benchmark suite: every performance claim of the project as a ratio measured side by side, written as JSON
 (and, with --markdown, as a docs/benchmarks.md section with each goal marked met / not met).
 
-    OMP_NUM_THREADS=1 python tools/bench_suite.py --out bench_suite.json --markdown bench_suite.md
-    python tools/bench_suite.py --smoke                       # seconds: tiny sizes, 1 repetition (CI)
-    python tools/bench_suite.py --device cuda --paper-width   # on a GPU by hand (tools/gpu_check.sh does not run it)
+    OMP_NUM_THREADS=1 python tools/bench/bench_suite.py --out bench_suite.json --markdown bench_suite.md
+    python tools/bench/bench_suite.py --smoke                       # seconds: tiny sizes, 1 repetition (CI)
+    python tools/bench/bench_suite.py --device cuda --paper-width   # on a GPU by hand (the GPU check does not
+                                                                    # run it)
 
 Sections (each repetition count excludes the warm-up; min = least disturbed, median beside it; ratios from
 the minima):
@@ -14,9 +15,9 @@ the minima):
             through /proc/self/clear_refs, so compile-time memory does not count; CUDA: max allocated),
             and the bytes autograd saves for the backward (saved-tensor hooks; deterministic).
   moe       expert compute, grouped (`torch._grouped_mm`) vs the per-expert loop, at 8, 32, 64 experts.
-  cca       CCA vs MHA attention sublayer (tools/bench_cca.py).
-  mod       MoD-20% vs full depth (tools/bench_mod.py).
-  loader    loader tokens/s (tools/bench_loader.py, synthetic shards) vs the training tokens/s of `nag`.
+  cca       CCA vs MHA attention sublayer (tools/bench/bench_cca.py).
+  mod       MoD-20% vs full depth (tools/bench/bench_mod.py).
+  loader    loader tokens/s (tools/bench/bench_loader.py, synthetic shards) vs the training tokens/s of `nag`.
   mfu       achieved FLOP/s of the NAG training step (analytic FLOPs, nagmoe.flops) against the FLOP/s of a
             large matmul measured in the same run ("CPU MFU"); on CUDA also against the data-sheet peak.
 Threads: every process uses the same `--threads` (default OMP_NUM_THREADS, else 1).
@@ -34,9 +35,9 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tools"))
+sys.path.insert(0, os.path.join(REPO, "tools", "bench"))
 
 import torch  # noqa: E402
 
@@ -392,7 +393,7 @@ def main(argv=None) -> int:
               "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                           "cpus": os.cpu_count(), "torch": torch.__version__},
               "device": args.device, "threads": args.threads, "sizes": sizes,
-              "command": "python tools/bench_suite.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "command": "python tools/bench/bench_suite.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     timings = {}
     for name in sections:
         s0 = time.perf_counter()

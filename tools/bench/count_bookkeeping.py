@@ -1,7 +1,7 @@
 """Count the host bookkeeping between training steps on 2 real gloo ranks (issue 67, item 1): collectives and
 run-dir path calls per step and rank, by class and call site.
 
-    python tools/count_bookkeeping.py [--ep 1 2] [--steps 10 40] [--config CONFIG] [KEY=VALUE ...]
+    python tools/bench/count_bookkeeping.py [--ep 1 2] [--steps 10 40] [--config CONFIG] [KEY=VALUE ...]
         [--data-dir DIR --corpus FILE] [--top 8] [--json FILE]
 
 For each `parallel.ep` asked for, the trainer runs twice on 2 gloo ranks (tests/support/gloo_ranks.py), S steps
@@ -49,7 +49,7 @@ import tempfile
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 for _path in (REPO, os.path.join(REPO, "tests", "support")):
     if _path not in sys.path:
         sys.path.insert(0, _path)

@@ -1,6 +1,6 @@
 """Count device-to-host syncs of one training micro-step (forward + backward), per call site.
 
-    python tools/count_syncs.py --config configs/tiny-mod20.yaml [KEY=VALUE ...] [--device cpu|cuda]
+    python tools/bench/count_syncs.py --config configs/tiny-mod20.yaml [KEY=VALUE ...] [--device cpu|cuda]
         [--dtype bf16|fp32] [--batch-rows 2]
 
 Builds the model of the config (random tokens, no data needed), takes `--warm-steps` eager steps so that MoD
@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 

@@ -22,7 +22,7 @@ counts once, not the per-expert `mm`s the CPU runs inside it). On CUDA also the
 GPU's idle time within the step (its wall time minus the union of the kernels' intervals) and the grouped
 GEMM's achieved FLOP/s (FLOPs from the recorded shapes: 2 m k n per call, forward and backward).
 
-    python tools/step_profile.py configs/paper/nag-r40.yaml [--set key=value ...] [--warm 1] [--json out.json]
+    python tools/bench/step_profile.py configs/paper/nag-r40.yaml [--set key=value ...] [--warm 1] [--json out.json]
 
 The CPU comparison of docs/benchmarks.md (issue 60): the same command on the parent commit's checkout and on
 this one, at reduced width (`--set model.d_model=128 ...`), eager.
@@ -36,7 +36,8 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# tools/gpu_check/ (beside this folder): gpu_check_mod's sublayer spans, gpu_check_train's synthetic shards
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu_check"))
 
 from gpu_check_mod import BACKWARD, SublayerRegions, _inside, _spans  # noqa: E402  (the forward/backward linking rule)
 

@@ -4,8 +4,8 @@
 # failed (GPU_CHECK_SECTIONS) fit a 15-minute lease. Sections,
 # in the order of what only a GPU can answer, each in its own process under its own time limit (the limits add up
 # to the budget), each result written into $RESULTS/bench.json as the section ends, and a training section's steps
-# after each step (tools/gpu_check_sections.py; a failed or timed-out section records its status and error, and
-# the next runs). Limits: docs/benchmarks.md ("GPU check: sections and limits") gives the evidence for each.
+# after each step (tools/gpu_check/gpu_check_sections.py; a failed or timed-out section records its status and
+# error, and the next runs). Limits: docs/benchmarks.md ("GPU check: sections and limits") gives the evidence for each.
 #   env              the blocker below is active, imports, versions, the AutocastCUDA registrations and (GPU) the
 #                    real per-op autocast dtypes, saved at once (compared with nagmoe's CPU stand-in offline:
 #                    python -m nagmoe.cuda_rules.probe --mode tier --rules 2.11 --compare bench.json)
@@ -13,14 +13,14 @@
 #   train_nag,       configs/paper/{nag,baseline,nag-mod20}-r40.yaml at EP=1 through the real Trainer, one section
 #   train_baseline,  each, compiled (inductor's caches shared on disk: the later sections reuse the first one's
 #   train_nag_mod20  kernels), 65536-token batches, 8 steps: tokens/s, MFU (data sheet and a measured bf16 matmul),
-#                    peak memory vs the committed estimate (tools/gpu_check_estimates.json), host syncs per step
-#                    and their sites, losses, MoD's realised skip; the summary adds NAG / baseline step time and
-#                    MoD's wall-clock gain vs its FLOP gain; a warning off sm90/sm100 (_grouped_mm's fast path). A
-#                    failed compile is recorded, then the config runs eager in a fresh process
-#   mod_speed        issues 59, 69: MoD against NAG in one process (tools/gpu_check_mod.py). The first GPU run found
-#                    NAG+MoD-20% 33x slower than NAG (gather MoD); static MoD (model.mod.impl, the CUDA default)
-#                    skips the expert GEMMs only. nag-r40, then nag-mod20-r40 with the compute dial at skip rates
-#                    0, 0.2, 0.5 (settled, then pinned), 8 timed steps each: MoD/NAG step ratio, the MoE
+#                    peak memory vs the committed estimate (tools/gpu_check/gpu_check_estimates.json), host
+#                    syncs per step and their sites, losses, MoD's realised skip; the summary adds NAG / baseline
+#                    step time and MoD's wall-clock gain vs its FLOP gain; a warning off sm90/sm100 (_grouped_mm's
+#                    fast path). A failed compile is recorded, then the config runs eager in a fresh process
+#   mod_speed        issues 59, 69: MoD against NAG in one process (tools/gpu_check/gpu_check_mod.py). The first
+#                    GPU run found NAG+MoD-20% 33x slower than NAG (gather MoD); static MoD (model.mod.impl, the
+#                    CUDA default) skips the expert GEMMs only. nag-r40, then nag-mod20-r40 with the compute dial
+#                    at skip rates 0, 0.2, 0.5 (settled, then pinned), 8 timed steps each: MoD/NAG step ratio, the MoE
 #                    sublayers' own skip, saved = 1 - step(rate)/step(0) against skip x share (the eligible
 #                    sublayers; the expert GEMMs alone: 0.9 of it at 0.2 is issue 59's bar), new graphs and graph
 #                    breaks, host reads (SyncCounter; GPU: a step under sync debug mode "error"), peak memory, a
@@ -30,7 +30,7 @@
 #                    against the data sheet beside the training section's, and one profiled step: time and kernel
 #                    launches by region (attention, MoE GEMMs, MoE glue, loss, optimizer, stream; GPU idle), the
 #                    grouped GEMM's TFLOP/s, the kernel table (profile_<config>_<variant>.txt); the `before` variant
-#                    runs the switches that restore the code before issue 60 (tools/gpu_check_profile.py)
+#                    runs the switches that restore the code before issue 60 (tools/gpu_check/gpu_check_profile.py)
 #   resume           a 4-layer nag-mod20-r40 saved and resumed through the Trainer: losses match the straight run
 #   tests            tests/gpu/ (gpu-marked)
 #   dcp              a DCP checkpoint of this torch read back through the restricted unpickler (.metadata kept)
@@ -43,15 +43,15 @@
 # `import` raises ModuleNotFoundError and importlib.util.find_spec returns None, as on the GPU machine.
 # tests/perf/test_gpu_check_rehearsal.py runs this script in GPU mode on a stand-in GPU host (CPU only).
 #
-#   tools/gpu_check.sh            # on the GPU machine
-#   tools/gpu_check.sh --lease    # one 15-minute lease (issue 69): env, data, train_nag, train_nag_mod20, mod_speed
-#                                 # in 325 s, so the machine's start and a whole rerun fit beside it
-#   tools/gpu_check.sh --cpu      # CI: the same sections at tiny size on CPU (no install), in bf16 under CUDA's
-#                                 # autocast rules of torch 2.11 (NAGMOE_CUDA_RULES, nagmoe/cuda_rules); with
-#                                 # --lease the lease's list
+#   tools/gpu_check/gpu_check.sh            # on the GPU machine
+#   tools/gpu_check/gpu_check.sh --lease    # one 15-minute lease (issue 69): env, data, train_nag, train_nag_mod20,
+#                                           # mod_speed in 325 s, so the machine's start and a whole rerun fit beside it
+#   tools/gpu_check/gpu_check.sh --cpu      # CI: the same sections at tiny size on CPU (no install), in bf16 under
+#                                           # CUDA's autocast rules of torch 2.11 (NAGMOE_CUDA_RULES,
+#                                           # nagmoe/cuda_rules); with --lease the lease's list
 # Results: $GPU_CHECK_OUT (default: $OUT if set, else a temporary folder): bench.json, gpu_check.log (every
 # section's output), the DCP .metadata. Run dirs, data and compile caches live in a scratch folder removed at the end.
-# On request only (GPU_CHECK_SECTIONS=mod_block): mod_block, the MoD block benchmark (tools/bench_mod.py --block,
+# On request only (GPU_CHECK_SECTIONS=mod_block): mod_block, the MoD block benchmark (tools/bench/bench_mod.py --block,
 # issue 28) at the paper's 16-row micro-batch; mod_speed answers its question through the Trainer.
 # Test hooks: GPU_CHECK_SECTIONS=a,b (only those), GPU_CHECK_FAIL=name (that section fails at its start),
 # GPU_CHECK_HANG=name (it hangs until its limit), GPU_CHECK_LIMIT_<name>=seconds (another limit).
@@ -63,15 +63,15 @@ for arg in "$@"; do
   case $arg in
     --cpu) MODE=cpu ;;
     --lease) PLAN=lease ;;
-    *) echo "usage: tools/gpu_check.sh [--cpu] [--lease]" >&2; exit 2 ;;
+    *) echo "usage: tools/gpu_check/gpu_check.sh [--cpu] [--lease]" >&2; exit 2 ;;
   esac
 done
 for var in GPU_CHECK_BUDGET $(compgen -v GPU_CHECK_LIMIT_); do  # names only: compgen lists variable names
   if [[ -n "${!var:-}" && ! ${!var} =~ ^[0-9]{1,6}$ ]]; then
-    printf 'tools/gpu_check.sh: %s=%q must be a whole number of seconds\n' "$var" "${!var:0:60}" >&2; exit 2
+    printf 'tools/gpu_check/gpu_check.sh: %s=%q must be a whole number of seconds\n' "$var" "${!var:0:60}" >&2; exit 2
   fi
 done
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" || exit 1
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)" || exit 1  # tools/gpu_check/ -> the checkout
 cd "$REPO" || exit 1
 PY="${PYTHON:-python3}"
 RESULTS="${GPU_CHECK_OUT:-${OUT:-$(mktemp -d)}}"
@@ -140,7 +140,7 @@ if [[ $PLAN == lease ]]; then SECTIONS=("${LEASE[@]}") DEFAULT_BUDGET=$LEASE_BUD
 BUDGET=$((10#${GPU_CHECK_BUDGET:-$DEFAULT_BUDGET}))  # 10#: 08 is eight, not an octal error
 # compiled kernels shared between the section processes (inductor's FX graph and Triton caches)
 export TORCHINDUCTOR_CACHE_DIR="$WORK/inductor" TRITON_CACHE_DIR="$WORK/triton"
-DRIVER=("$PY" "$REPO/tools/gpu_check_sections.py")
+DRIVER=("$PY" "$REPO/tools/gpu_check/gpu_check_sections.py")
 LOG="$RESULTS/gpu_check.log"
 : > "$LOG"
 "${DRIVER[@]}" init --out "$RESULTS" --mode "$MODE" --budget "$BUDGET" || exit 1

@@ -1,15 +1,21 @@
-"""What the gpu_check processes share (tools/gpu_check.sh): bench.json, the store every section writes its result
-into (an atomic rewrite, so a killed section leaves the others' results), the section context and small helpers.
-tools/gpu_check_sections.py (the driver and the short sections) and tools/gpu_check_train.py (the training
-sections) both import this file; neither imports the other at import time.
+"""What the gpu_check processes share (tools/gpu_check/gpu_check.sh): bench.json, the store every section writes its
+result into (an atomic rewrite, so a killed section leaves the others' results), the section context and small
+helpers. tools/gpu_check/gpu_check_sections.py (the driver and the short sections) and
+tools/gpu_check/gpu_check_train.py (the training sections) both import this file; neither imports the other at
+import time.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+# tools/bench/ beside this folder on the path: the profile and mod_speed sections import its step_profile
+BENCH_TOOLS = os.path.join(REPO, "tools", "bench")
+if BENCH_TOOLS not in sys.path:
+    sys.path.append(BENCH_TOOLS)
 BENCH = "bench.json"
 OPEN = (None, "running")  # statuses `record` may replace
 

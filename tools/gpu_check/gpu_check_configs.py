@@ -1,5 +1,6 @@
-"""The training configs of tools/gpu_check.sh at its two sizes (GPU, and --cpu's tiny width), shared by the
-training sections (tools/gpu_check_train.py) and the committed memory estimates (tools/gpu_check_estimates.py)."""
+"""The training configs of tools/gpu_check/gpu_check.sh at its two sizes (GPU, and --cpu's tiny width), shared by
+the training sections (tools/gpu_check/gpu_check_train.py) and the committed memory estimates
+(tools/gpu_check/gpu_check_estimates.py)."""
 from __future__ import annotations
 
 import os

@@ -2,15 +2,15 @@
 
 A GPU is lent for minutes: the estimator's probes (nagmoe/train/memory.py, activations measured on the CPU under
 CUDA's autocast rules of the GPU machine's torch) must not run there. They run here and are committed in
-tools/gpu_check_estimates.json, one entry per training config of the check and torch version of CUDA's rules
+tools/gpu_check/gpu_check_estimates.json, one entry per training config of the check and torch version of CUDA's rules
 (RULES: the GPU machine's torch), each with a fingerprint of what the estimate depends on: the config at the
 check's size, the layout, the rules version and the code of the estimator and the model (its tokens, so a
 comment or a line break does not count). An entry whose fingerprint no longer matches is stale: the check records
 "estimate stale" instead of a number, and tests/perf/test_gpu_check_estimates.py fails until it is rewritten:
 
-    python tools/gpu_check_estimates.py --write        # recompute every entry (well under a minute on 2 cores)
-    python tools/gpu_check_estimates.py --check        # exit 1 naming each stale or missing entry
-    python tools/gpu_check_estimates.py --code-digest  # print the code's digest (the standard library only)
+    python tools/gpu_check/gpu_check_estimates.py --write        # recompute every entry (under a minute, 2 cores)
+    python tools/gpu_check/gpu_check_estimates.py --check        # exit 1 naming each stale or missing entry
+    python tools/gpu_check/gpu_check_estimates.py --code-digest  # print the code's digest (the standard library)
 
 The fingerprint must read the same under the GPU machine's Python (3.12) as under the one that wrote it (issue 52):
 the code digest hashes the token stream (tokenize's names and texts, an f-string as its source text, which 3.12
@@ -32,8 +32,8 @@ import tokenize
 from gpu_check_common import REPO
 from gpu_check_configs import PAPER, SIZES, micro_batch_tokens, paper_config
 
-ESTIMATES = os.path.join(REPO, "tools", "gpu_check_estimates.json")
-RULES = ("2.11",)  # the GPU machine's torch (tools/gpu_check.sh); add a version when its torch changes
+ESTIMATES = os.path.join(REPO, "tools", "gpu_check", "gpu_check_estimates.json")
+RULES = ("2.11",)  # the GPU machine's torch (tools/gpu_check/gpu_check.sh); add a version when its torch changes
 # what the estimate's numbers depend on besides the config: the estimator, the model it probes, the rules tier
 CODE = ("nagmoe/train/memory.py", "nagmoe/train/speed.py", "nagmoe/model", "nagmoe/ops", "nagmoe/config/schema.py",
         "nagmoe/cuda_rules/table.py", "nagmoe/cuda_rules/tier.py")
@@ -140,10 +140,11 @@ def lookup(name: str, cfg, rules: str) -> dict:
     """The committed estimate of `name` under `rules`: {"bytes", "fingerprint"} or {"stale"/"missing": why}."""
     entry = read()["entries"].get(key(name, rules))
     if not isinstance(entry, dict) or not isinstance(entry.get("total"), int):
-        return {"missing": f"no committed estimate for {key(name, rules)} (tools/gpu_check_estimates.py --write)"}
+        return {"missing": f"no committed estimate for {key(name, rules)} "
+                           "(tools/gpu_check/gpu_check_estimates.py --write)"}
     if entry.get("fingerprint") != fingerprint(cfg, rules, code_digest()):
         return {"stale": f"{key(name, rules)}: config or code changed since it was computed "
-                         "(tools/gpu_check_estimates.py --write)", "bytes_when_computed": entry["total"]}
+                         "(tools/gpu_check/gpu_check_estimates.py --write)", "bytes_when_computed": entry["total"]}
     return {"bytes": entry["total"], "fingerprint": entry["fingerprint"], "cuda_rules": rules}
 
 
@@ -173,7 +174,8 @@ def write() -> dict:
                                          "fingerprint": fingerprint(cfg, rules, code), "total": est["total"],
                                          "parts": {k: est[k] for k in est["parts"]}, "layout": est["layout"]}
             print(f"{key(name, rules)}: {est['total'] / 2 ** 30:.2f} GiB", flush=True)
-    data = {"about": "memory estimates of tools/gpu_check.sh's training sections (tools/gpu_check_estimates.py)",
+    data = {"about": "memory estimates of tools/gpu_check/gpu_check.sh's training sections "
+                     "(tools/gpu_check/gpu_check_estimates.py)",
             "code_digest": code, "measured_with_torch": torch.__version__,
             "sizes": {k: SIZES["gpu"][k] for k in ("vocab", "seq", "batch_tokens")}, "entries": entries}
     tmp = ESTIMATES + ".tmp"

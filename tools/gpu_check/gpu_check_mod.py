@@ -1,6 +1,6 @@
-"""The mod_speed section of tools/gpu_check.sh (issues 59 and 69): MoD against NAG in step time, in one process,
-through the real `Trainer` at the training sections' size (gpu_check_configs.overrides), on the compile caches the
-training sections left.
+"""The mod_speed section of tools/gpu_check/gpu_check.sh (issues 59 and 69): MoD against NAG in step time, in one
+process, through the real `Trainer` at the training sections' size (gpu_check_configs.overrides), on the compile
+caches the training sections left.
 
 Issue 52's GPU run found NAG+MoD-20% 33x slower than NAG (gather MoD: new shapes every step, a host read per
 sublayer). `model.mod.impl=static` (the CUDA default) has fixed shapes and no host read, but computes every row's
@@ -15,7 +15,7 @@ attention and router: it skips only the MoE's expert GEMMs (nagmoe/config/flops.
      the expert GEMMs skip), graphs compiled and graph breaks during its steps (dynamo's counters: a recompile is a
      new graph), peak memory (GPU); then one step under SyncCounter (host reads per step, their sites) and, on CUDA,
      one under sync debug mode "error";
-  3. per rate, one step under torch.profiler (tools/step_profile.py): the kernel table in
+  3. per rate, one step under torch.profiler (tools/bench/step_profile.py): the kernel table in
      $RESULTS/mod_speed_profile_<rate>.txt and time by region; rate 0's gives two shares of the step, `share_eligible`
      (the MoD-eligible sublayers, forward and backward) and `share_experts` (the MoE's grouped GEMMs alone). A profile
      that would not fit what is left of the limit is skipped and said so (--cpu profiles rate 0 only).
@@ -105,14 +105,14 @@ class MicroSteps:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Profiler regions around sublayers (tools/step_profile.py's regions)
+# Profiler regions around sublayers (tools/bench/step_profile.py's regions)
 # ----------------------------------------------------------------------------------------------------------
 class SublayerRegions:
     """A torch.profiler.record_function region around each call of a MoD-eligible sublayer (forward hooks of this
-    tool: nothing in the model changes), named by the sublayer's class; tools/step_profile.py's region_table links
+    tool: nothing in the model changes), named by the sublayer's class; tools/bench/step_profile.py's region_table links
     their backward.
     `eligible` (one flag per sublayer, default all) picks the sublayers, `name_of(sublayer)` names their regions
-    (tools/step_profile.py names them by role)."""
+    (tools/bench/step_profile.py names them by role)."""
 
     def __init__(self, model, eligible=None, name_of=None):
         from torch.profiler import record_function

@@ -1,5 +1,5 @@
-"""The profile section of tools/gpu_check.sh (issue 60): where the r40 step's time goes, at the paper's tokens per
-optimizer step, before and after issue 60's changes, in one call.
+"""The profile section of tools/gpu_check/gpu_check.sh (issue 60): where the r40 step's time goes, at the paper's
+tokens per optimizer step, before and after issue 60's changes, in one call.
 
 The first GPU run put baseline-r40 and nag-r40 at MFU 0.14 against the H200's 989 TFLOP/s at 65,536 tokens a step.
 Per config of CONFIGS, through the real `Trainer` (compiled as the training sections, whose inductor caches this
@@ -12,7 +12,7 @@ chunk recomputed in the backward, CCA's convolutions as nn.Conv1d in the compile
     `trainer.optim.step`, the bundle's instance attribute for this section only);
   * MFU at these tokens per step (the matmul FLOP convention, nagmoe.flops) against the data sheet, beside the
     training section's figure at 65,536 tokens (`mfu_today`, read from bench.json when that section ran);
-  * one step under torch.profiler: time and kernel launches by region (tools/step_profile.py: attention units,
+  * one step under torch.profiler: time and kernel launches by region (tools/bench/step_profile.py: attention units,
     MoE GEMMs, MoE glue, loss, optimizer, the stream, the rest; GPU idle), the grouped GEMM's achieved FLOP/s, and
     the kernel table in $RESULTS/profile_<config>_<variant>.txt.
 A variant that would not fit what is left of the limit (1.2x the last one's seconds) is skipped and said so; the

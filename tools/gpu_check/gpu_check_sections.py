@@ -1,10 +1,11 @@
-"""The sections of tools/gpu_check.sh: one process per section, its result written into RESULTS/bench.json as
-the section ends (an atomic rewrite), so a failing, killed or timed-out section leaves the others' results.
+"""The sections of tools/gpu_check/gpu_check.sh: one process per section, its result written into RESULTS/bench.json
+as the section ends (an atomic rewrite), so a failing, killed or timed-out section leaves the others' results.
 
-    python tools/gpu_check_sections.py init    --out DIR --mode gpu|cpu [--budget S]
-    python tools/gpu_check_sections.py run     NAME --out DIR --work DIR --mode gpu|cpu [--limit S]
-    python tools/gpu_check_sections.py record  NAME --out DIR --status timeout --seconds S --error TEXT [--limit S]
-    python tools/gpu_check_sections.py summary --out DIR
+    python tools/gpu_check/gpu_check_sections.py init    --out DIR --mode gpu|cpu [--budget S]
+    python tools/gpu_check/gpu_check_sections.py run     NAME --out DIR --work DIR --mode gpu|cpu [--limit S]
+    python tools/gpu_check/gpu_check_sections.py record  NAME --out DIR --status timeout --seconds S --error TEXT
+                                                         [--limit S]
+    python tools/gpu_check/gpu_check_sections.py summary --out DIR
 
 bench.json: {"mode", "date", "budget", "machine", "sections": {NAME: {"status": ok|failed|timeout|running,
 "seconds", "limit", "result" and/or "error"}}, "comparison"}. `run` marks its section "running" first (a partial
@@ -13,8 +14,9 @@ end (killed at its time limit, crashed): it replaces only a missing or "running"
 section's seconds against its limit and writes the comparisons across the training sections.
 GPU_CHECK_FAIL=NAME[,NAME] makes those sections fail at their start, GPU_CHECK_HANG=NAME[,NAME] makes them hang
 until the shell's limit kills them (the tests of this very recording).
-The training sections are in tools/gpu_check_train.py, MoD's speed section (issue 59) in tools/gpu_check_mod.py,
-the store in tools/gpu_check_common.py; this file holds the driver and the short sections.
+The training sections are in tools/gpu_check/gpu_check_train.py, MoD's speed section (issue 59) in
+tools/gpu_check/gpu_check_mod.py, the store in tools/gpu_check/gpu_check_common.py; this file holds the driver and
+the short sections.
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ import traceback
 
 from gpu_check_common import BENCH, REPO, Ctx, SectionFailed, finite, load, one_line, put, save
 
-# absent on the GPU machine (its image: torch, numpy, pyyaml, tokenizers, tqdm, pytest); tools/gpu_check.sh hides
-# them here too, as not found (import fails with ModuleNotFoundError, importlib.util.find_spec returns None)
+# absent on the GPU machine (its image: torch, numpy, pyyaml, tokenizers, tqdm, pytest); tools/gpu_check/gpu_check.sh
+# hides them here too, as not found (import fails with ModuleNotFoundError, importlib.util.find_spec returns None)
 HIDDEN = ("datasets", "wandb", "deepspeed", "transformers", "lm_eval", "flash_attn", "megablocks", "grouped_gemm")
 
 
@@ -65,7 +67,7 @@ def section_env(ctx: Ctx) -> dict:
         except (ImportError, ValueError) as e:
             raise RuntimeError(f"find_spec({name!r}) raised {one_line(e)}: a missing package returns None") from e
         if found is not None:
-            raise RuntimeError(f"{name} is importable: the blocker of tools/gpu_check.sh is not active")
+            raise RuntimeError(f"{name} is importable: the blocker of tools/gpu_check/gpu_check.sh is not active")
     import torch
 
     import nagmoe.flops  # noqa: F401 (import check)
@@ -137,10 +139,10 @@ def section_dcp(ctx: Ctx) -> dict:
 
 
 def section_mod_block(ctx: Ctx) -> dict:
-    """The MoD block benchmark's slot (issue 28): `tools/bench_mod.py --block --out FILE` at the paper's
+    """The MoD block benchmark's slot (issue 28): `tools/bench/bench_mod.py --block --out FILE` at the paper's
     micro-batch on the GPU, `--smoke` in --cpu mode; its JSON is this section's result."""
     path = os.path.join(ctx.work, "mod_block.json")
-    cmd = [sys.executable, os.path.join(REPO, "tools/bench_mod.py"), "--block", "--out", path]
+    cmd = [sys.executable, os.path.join(REPO, "tools/bench/bench_mod.py"), "--block", "--out", path]
     if ctx.mode == "cpu":
         cmd.append("--smoke")
     else:  # the paper's micro-batch (16 rows of 2048 per device): one row cannot fill a GPU; 3 paired repeats (10
@@ -172,7 +174,7 @@ def cmd_init(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     save(args.out, {"mode": args.mode, "date": now.isoformat(timespec="seconds"), "budget": args.budget,
-                    # --cpu: CUDA's autocast rules of this torch version on the CPU (tools/gpu_check.sh sets it)
+                    # --cpu: CUDA's autocast rules of this torch version on the CPU (gpu_check.sh sets it)
                     "cuda_rules": os.environ.get("NAGMOE_CUDA_RULES") or None,
                     "machine": {"platform": platform.platform(), "python": platform.python_version(),
                                 "cpus": os.cpu_count()},

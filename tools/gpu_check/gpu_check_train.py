@@ -1,15 +1,15 @@
-"""The training sections of tools/gpu_check.sh (run through tools/gpu_check_sections.py), all through the real
-`nagmoe.train.trainer.Trainer`:
+"""The training sections of tools/gpu_check/gpu_check.sh (run through tools/gpu_check/gpu_check_sections.py), all
+through the real `nagmoe.train.trainer.Trainer`:
 
   data             script-made token shards (no network, no `datasets`): documents of phrases drawn from a
                    Zipf-weighted phrase bank whose ids are Zipf-distributed, so the loss falls within a few steps; a
                    word-level tokenizer.json of exactly the vocabulary (the trainer's bits-per-byte needs one).
   train_baseline,  configs/paper/{baseline,nag,nag-mod20}-r40.yaml at parallel.ep=1, one section (process) each so a
   train_nag,       hang or crash in one leaves the others their time; compile caches shared on disk between them
-  train_nag_mod20  (tools/gpu_check.sh sets TORCHINDUCTOR_CACHE_DIR); train.batch_tokens=65536, 8 steps driven one
+  train_nag_mod20  (gpu_check.sh sets TORCHINDUCTOR_CACHE_DIR); train.batch_tokens=65536, 8 steps driven one
                    `train_step` at a time (no eval, no checkpoint): tokens/s (median of the steady steps), MFU
                    against the data sheet and a bf16 matmul measured here, peak memory beside the committed memory
-                   estimate (tools/gpu_check_estimates.json, computed on a CPU under CUDA's rules of this torch),
+                   estimate (gpu_check_estimates.json, computed on a CPU under CUDA's rules of this torch),
                    host syncs per step (torch.cuda.set_sync_debug_mode("warn") over the last step; CPU: null) and
                    their sites, the losses; MoD's realised skip rate. `compare` (the summary) sets NAG against the
                    baseline and MoD's wall-clock speed-up against its FLOP gain.
@@ -150,8 +150,8 @@ def eager_in_fresh_process(ctx, error: str) -> int:
     import sys
 
     left = ctx.seconds_left()
-    cmd = [sys.executable, os.path.join(REPO, "tools", "gpu_check_sections.py"), "run", ctx.name, "--eager",
-           "--out", ctx.out, "--work", ctx.work, "--mode", ctx.mode]
+    cmd = [sys.executable, os.path.join(REPO, "tools", "gpu_check", "gpu_check_sections.py"), "run", ctx.name,
+           "--eager", "--out", ctx.out, "--work", ctx.work, "--mode", ctx.mode]
     if ctx.limit is not None:
         cmd += ["--limit", f"{ctx.limit:g}"]
     print(f"[gpu_check] {ctx.name}: compiled run failed ({error}); eager fallback in a fresh process", flush=True)
@@ -249,8 +249,9 @@ def counted_syncs(fn):
 
 
 def memory_estimate(key: str, cfg, device) -> dict:
-    """GPU: the committed estimate of this config under CUDA's rules of this torch (tools/gpu_check_estimates.py;
-    its probes take about a minute of CPU, not lease time); CPU: computed here (tiny width, a second)."""
+    """GPU: the committed estimate of this config under CUDA's rules of this torch
+    (tools/gpu_check/gpu_check_estimates.py; its probes take about a minute of CPU, not lease time); CPU: computed
+    here (tiny width, a second)."""
     import torch
 
     from nagmoe.cuda_rules.table import version_key

@@ -1,4 +1,4 @@
-"""A GPU host stood in on a CPU machine, for the rehearsal of tools/gpu_check.sh (tests/perf/
+"""A GPU host stood in on a CPU machine, for the rehearsal of tools/gpu_check/gpu_check.sh (tests/perf/
 test_gpu_check_rehearsal.py). Loaded first by every Python process of the rehearsal (its folder leads PYTHONPATH),
 it then runs the next sitecustomize on the path (the script's own import blocker).
 
@@ -109,7 +109,7 @@ sys.meta_path.insert(0, _AfterImport())
 
 
 def _next_sitecustomize() -> None:
-    """Run the sitecustomize this one shadows (tools/gpu_check.sh's import blocker), if any."""
+    """Run the sitecustomize this one shadows (tools/gpu_check/gpu_check.sh's import blocker), if any."""
     for entry in sys.path:
         if not entry or os.path.abspath(entry) == _HERE:
             continue
