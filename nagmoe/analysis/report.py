@@ -260,8 +260,9 @@ def milestone_tables(groups) -> list:
     return ["<h3>Through training (milestone checkpoints)</h3>",
             table(["run", "step", "tokens", "val loss", "norm growth", "cumulative rotation (rad)", "MoD skip",
                    "worst expert load (max/mean)", "dead experts"], rows),
-            para("Each run's milestone checkpoints (train.keep_milestone_every_tokens, never pruned) and its "
-                 "latest one, measured on the same validation windows as above.", "note")]
+            para("Each run's milestones (train.keep_milestone_every_tokens, never pruned; weights-only in the "
+                 "run's train.milestone_dtype, or full checkpoints) and its latest checkpoint, measured on the same "
+                 "validation windows as above.", "note")]
 
 
 def mod_section(groups, nums, pairs, fig_dir) -> tuple:

@@ -33,7 +33,8 @@ CACHE_DIR = "data"  # under the report's out dir: per-run analysis/eval JSON, re
 # keys that do not change what a run is (for pairing runs into comparisons)
 IGNORED_PREFIXES = ("train.seed", "train.flop_budget", "train.max_steps", "train.schedule_steps", "train.eval_every",
                     "train.checkpoint_every", "train.keep_checkpoints", "train.eval_tokens", "train.eval_sample",
-                    "train.gc_every", "train.sync_every", "train.device", "data.prefetch",
+                    "train.gc_every", "train.sync_every", "train.device", "data.prefetch", "train.checkpoint_async",
+                    "train.milestone_dtype",
                     "train.compile", "train.micro_batch_tokens", "data.num_proc", "data.verify_shards",
                     "model.attention.impl", "model.moe.impl", "parallel.", "log.")
 _LABEL = re.compile(r"^(?P<group>.+)-s(?P<seed>\d+)$")
@@ -193,10 +194,10 @@ def unique_labels(records: list) -> None:
 # Measuring checkpoints (cached per run under OUT/data/)
 # ----------------------------------------------------------------------------------------------------------
 def has_milestones(run_dir: str) -> bool:
-    from nagmoe.checkpoint.files import list_checkpoints
-    from nagmoe.checkpoint.publish import is_milestone
+    """Weights-only milestones (milestones/) or full ones (checkpoints marked so): nagmoe.checkpoint.milestone."""
+    from nagmoe.checkpoint import list_milestones
 
-    return any(is_milestone(path) for _, path in list_checkpoints(run_dir))
+    return bool(list_milestones(run_dir))
 
 
 def measure_checkpoint(record: RunRecord, out_dir: str, analysis_tokens: int, eval_items: int, device: str,

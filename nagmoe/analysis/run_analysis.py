@@ -230,12 +230,12 @@ def analyze_run(run_dir: str, device: str = "cpu", max_tokens: int = DEFAULT_TOK
 
 def analyze_milestones(run_dir: str, device: str = "cpu", max_tokens: int = DEFAULT_TOKENS,
                        batch_rows: int = 8) -> list:
-    """Norm, rotation, skip and router health through training (issue 27): the milestone checkpoints
-    (`train.keep_milestone_every_tokens`, never pruned) and the latest one, each measured on the same
-    validation windows; oldest first."""
-    from nagmoe.checkpoint import load_model_weights
-    from nagmoe.checkpoint.files import list_checkpoints, read_checkpoint_state
-    from nagmoe.checkpoint.publish import is_milestone
+    """Norm, rotation, skip and router health through training (issue 27): the milestones
+    (`train.keep_milestone_every_tokens`, never pruned: weights-only under milestones/, or full checkpoints marked
+    as milestones) and the latest checkpoint, each measured on the same validation windows; oldest first, one row
+    a step (where a milestone and the latest checkpoint share one, the checkpoint: the state in full precision)."""
+    from nagmoe.checkpoint import list_milestones, load_model_weights
+    from nagmoe.checkpoint.files import read_checkpoint_state
     from nagmoe.data.bpb import token_bytes
     from nagmoe.eval.generate import load_run
 
@@ -244,12 +244,12 @@ def analyze_milestones(run_dir: str, device: str = "cpu", max_tokens: int = DEFA
     rows = analysis_rows(cfg, batch_rows)
     batches, _ = validation_batches(cfg.data.data_dir, cfg.data.seq_len, rows, max_tokens, cfg.data.verify_shards)
     tb = token_bytes(cfg.data.data_dir)
+    points = {step: (path, True) for step, path in list_milestones(run_dir)}
+    latest_step = read_checkpoint_state(run.checkpoint)["step"]
+    points[latest_step] = (run.checkpoint, latest_step in points)
     series = []
-    for step, path in list_checkpoints(run_dir):
-        milestone = is_milestone(path)
-        if not milestone and os.path.abspath(path) != os.path.abspath(run.checkpoint):
-            continue
-        load_model_weights(path, run.model)  # verifies the manifest first
+    for step, (path, milestone) in sorted(points.items()):
+        load_model_weights(path, run.model)  # verifies the manifest first; any format (nagmoe.checkpoint.reader)
         tokens = read_checkpoint_state(path).get("extra", {}).get("progress", {}).get("tokens")
         m = measure(run.model, batches, device, run.bos_id, tb, detailed=False)
         stats = m.stats.mean()

@@ -18,8 +18,9 @@ def add_arguments(p):
     p.add_argument("--bins", type=int, default=10, metavar="K", help="confidence bins")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--milestones", action="store_true",
-                   help="also measure every milestone checkpoint (train.keep_milestone_every_tokens): norm, "
-                        "rotation, skip and router health through training, under `through_training`")
+                   help="also measure every milestone (train.keep_milestone_every_tokens: weights-only under "
+                        "milestones/, or full checkpoints): norm, rotation, skip and router health through "
+                        "training, under `through_training`")
 
 
 def _fmt(x, spec=".3f"):

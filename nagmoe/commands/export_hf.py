@@ -1,5 +1,6 @@
 """`nagmoe export-hf --run-dir R --out DIR [--checkpoint P] [--dtype float32|bfloat16] [--skip-rate r]
-[--no-validate]`: the run's model as a self-contained Hugging Face model (nagmoe/hf/export.py). A non-empty
+[--no-validate]`: the run's model as a self-contained Hugging Face model (nagmoe/hf/export.py); P may be a
+weights-only milestone (RUN/milestones/step_N). A non-empty
 --out is refused; the export is checked in a process without nagmoe before it is moved to --out (exit 1 and
 nothing at --out when it does not reproduce the run)."""
 from __future__ import annotations
@@ -12,7 +13,8 @@ from nagmoe.base.errors import UserError, one_line
 def add_arguments(p):
     p.add_argument("--run-dir", required=True, help="a training run dir (config.yaml + checkpoints/)")
     p.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) directory for the export")
-    p.add_argument("--checkpoint", default=None, metavar="P", help="a checkpoint dir (default: the latest valid one)")
+    p.add_argument("--checkpoint", default=None, metavar="P",
+                   help="a checkpoint or milestone dir, e.g. RUN/milestones/step_N (default: the latest checkpoint)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="bfloat16 casts matrices, embedding and unembedding only (by role)")
     p.add_argument("--skip-rate", type=float, default=None, metavar="R",

@@ -28,12 +28,12 @@ import torch
 
 from nagmoe.base.errors import UserError, shown
 from nagmoe.base.files import atomic_writer, make_temp_dir, write_atomic
+from nagmoe.checkpoint.milestone import LOW_PRECISION_ROLES  # what a bf16 export casts, as a bf16 milestone
 
 HF_FILES = ("configuration_nagmoe.py", "modeling_nagmoe.py", "layers_nagmoe.py", "nag_math.py")
 HF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote")
 CHECK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "check.py")
 PREFIX = "model."
-LOW_PRECISION_ROLES = ("matrix", "embedding", "unembedding")  # what a bf16 export casts
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # the export's own check (fp32): nagmoe's logits within this in log-probability, choices and masks identical
 MAX_LOGP_DIFF = 1e-4
@@ -137,7 +137,9 @@ def model_card(run, hf_cfg, source: dict, dtype: str) -> str:
         if isinstance(counts.get('total'), int) else "- parameters: see config.json",
         f"- trained on {source.get('tokens') or 'n/a'} tokens; validation bits per byte: "
         f"{'n/a' if bpb is None else f'{bpb:.4f}'}",
-        f"- weights: {dtype}; training context {hf_cfg.seq_len}; nagmoe commit {source.get('commit', 'unknown')}", "",
+        f"- weights: {dtype}"
+        + (f" (from a {source['milestone_dtype']} weights-only milestone)" if source.get("milestone_dtype") else "")
+        + f"; training context {hf_cfg.seq_len}; nagmoe commit {source.get('commit', 'unknown')}", "",
         "## Load", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "model = AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)",
         "tok = AutoTokenizer.from_pretrained(PATH)  # prepends the BOS every training document starts with",
@@ -153,14 +155,20 @@ def _source(run, run_dir: str, checkpoint: str, skip_rate: Optional[float]) -> d
     manifest = os.path.join(checkpoint, "manifest.json")
     summary = read_summary(run_dir) or {}
     info = read_run_info(run_dir) or {}
-    state_step = None
+    state_step, extra = None, {}
     try:
-        state_step = read_checkpoint_state(checkpoint).get("step")
+        state = read_checkpoint_state(checkpoint)
+        state_step, extra = state.get("step"), state["extra"]
     except UserError:
         pass
+    # an earlier checkpoint or a milestone: its own tokens, and no bpb (summary.json's is the final model's)
+    tokens = extra.get("progress", {}).get("tokens")
+    final = tokens is None or tokens == summary.get("tokens")
     return {"run_dir": os.path.abspath(run_dir), "checkpoint": os.path.abspath(checkpoint),
             "checkpoint_manifest_sha256": sha256_and_sync(manifest) if os.path.isfile(manifest) else None,
-            "step": state_step, "tokens": summary.get("tokens"), "val_bpb": summary.get("val_bpb"),
+            "step": state_step, "tokens": summary.get("tokens") if final else tokens,
+            "val_bpb": summary.get("val_bpb") if final else None,
+            "milestone_dtype": extra.get("dtype"),  # bf16 | fp32: a weights-only milestone (checkpoint/milestone.py)
             "run_commit": info.get("git_commit"), "commit": git_commit(),
             "skip_rate": skip_rate if skip_rate is not None else run.config.model.mod.skip_rate}
 

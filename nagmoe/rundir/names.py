@@ -13,6 +13,7 @@ users, scripts and old run dirs rely on them; never rename one.
       preempt.request   REQUEST_FILE     a preemption asked for from outside (train/preemption.py)
       preempted.json    MARKER_FILE      a stop with a checkpoint: run again to continue
       checkpoints/      CHECKPOINTS      step_NNNNNN/ each (the format inside: checkpoint/files.py)
+      milestones/       MILESTONES       step_NNNNNN/ each: weights only, never resumed from (checkpoint/milestone.py)
       hf/               EXPORT_DIR       the Hugging Face export written at the end of training
       slurm/            SLURM_DIR        pinned configs (config.yaml, config-SHA.yaml), jobs.jsonl, job scripts, logs
         jobs.jsonl      JOBS_FILE        one line per submitted job (launch/pinned_config.py)
@@ -29,6 +30,7 @@ WANDB_ID_FILE = "wandb_id"
 REQUEST_FILE = "preempt.request"
 MARKER_FILE = "preempted.json"
 CHECKPOINTS = "checkpoints"
+MILESTONES = "milestones"
 EXPORT_DIR = "hf"
 SLURM_DIR = "slurm"
 JOBS_FILE = "jobs.jsonl"

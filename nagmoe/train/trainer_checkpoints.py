@@ -108,7 +108,8 @@ class TrainerCheckpoints:
         """After step `step`'s record: save when due (steps, minutes by rank 0's clock at sync steps, milestones,
         the last step, a gate-collapse stop), then answer a preemption seen at this sync step (its checkpoint,
         the marker, Preempted: exit 75). The metrics lines up to a save are written before it (a sync step's
-        already are: the exchange confirmed the lease; else a fence first)."""
+        already are: the exchange confirmed the lease; else a fence first). A weights-only milestone is its own
+        save (`save_milestone`), before the full checkpoint when that is due too."""
         schedule = self.checkpoint_schedule()
         save, milestone = schedule.due(step, self.progress.tokens, last or gate_stop, sync and shared.clock_due)
         weights = milestone and schedule.weights_milestones  # its own save, not a checkpoint (milestone.py)

@@ -1,7 +1,10 @@
-"""Issue 27: `nagmoe analyze --milestones` reads a run's milestone checkpoints (kept through pruning by
-`train.keep_milestone_every_tokens`) and the latest one, and reports norm, rotation, skip and router health
-through training, measured on the same validation windows; `nagmoe report` shows them in its depth section."""
+"""Issue 27: `nagmoe analyze --milestones` reads a run's milestones (kept through pruning by
+`train.keep_milestone_every_tokens`) and the latest checkpoint, and reports norm, rotation, skip and router health
+through training, measured on the same validation windows; `nagmoe report` shows them in its depth section.
+Issue 68, item 4: the milestones are weights-only (bf16, under milestones/); full ones still read
+(tests/checkpoint/test_milestone.py)."""
 import json
+import os
 
 from nagmoe.cli import main
 from nagmoe.train.trainer import Trainer
@@ -19,6 +22,11 @@ def test_analyze_reports_the_milestones_through_training(micro_config, tmp_path,
     rows = json.loads(out.read_text())["through_training"]
     assert [(r["step"], r["tokens"], r["milestone"]) for r in rows] == [(2, 512, True), (4, 1024, True),
                                                                         (5, 1280, False)]
+    # the two milestones are weights-only ones, the only copies of their steps (keep_checkpoints=1 pruned the rest)
+    paths = [r["checkpoint"] for r in rows[:2]]
+    assert paths == [os.path.join(run_dir, "milestones", f"step_00000{s}") for s in (2, 4)]
+    assert [json.load(open(os.path.join(p, "state.json")))["format"] for p in paths] == ["weights-1"] * 2
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_000005"]
     for r in rows:
         assert r["val_loss"] > 0 and r["norm_growth"] > 0 and r["cumulative_rotation"] > 0
         assert 0 < r["skip_rate"] < 1 and r["router_max_over_mean"] >= 1 and r["router_dead_experts"] >= 0

@@ -10,8 +10,9 @@ One 2-rank session (module fixture) runs every scenario; the tests check its res
   * with the loss-free expert bias on (issue 43), ZeRO-2 at EP=2: every step's grad_norm equals one process's
     (1e-5), and b after the run is bitwise equal on both ranks and to it; with the global-batch balance loss
     too, ZeRO-2 equals the torch engine at EP=2 as above, b included;
-  * 2 steps, a DeepSpeed checkpoint (bias and global balance on), a resume to 3 steps: the trajectory of the
-    straight 3-step run, bitwise, b included;
+  * 2 steps, a DeepSpeed checkpoint (bias and global balance on) and a weights-only milestone, a resume to 3
+    steps: the trajectory of the straight 3-step run, bitwise, b included; the milestone is the checkpoint's
+    weights cast by role;
     the run dir keeps its contract (metrics once per step, summary.json, run_info.json, verified checkpoints);
   * the whole model read back from a DeepSpeed checkpoint in one process (no unpickling) gives the logits of
     the trained 2-rank EP model; eval, generate, analyze and consolidate give the same outputs on the ZeRO-1
@@ -182,8 +183,9 @@ def two_rank_session(overrides, tmp):
         run_dir = os.path.join(tmp, name)
         out[name] = train_recording([*overrides, *extra], run_dir)
         out[name]["losses"] = step_losses(run_dir) if rank == 0 else None
-    run_dir = os.path.join(tmp, "resumed")
-    out["resumed"] = resume([*overrides, *DS, "parallel.zero_stage=2", *BALANCING], run_dir)
+    run_dir = os.path.join(tmp, "resumed")  # with a weights-only milestone at step 2 (issue 68, item 4)
+    out["resumed"] = resume([*overrides, *DS, "parallel.zero_stage=2", *BALANCING,
+                             "train.keep_milestone_every_tokens=512"], run_dir)
     out["resumed"]["losses"] = step_losses(run_dir) if rank == 0 else None
     return out
 
@@ -296,6 +298,27 @@ def test_deepspeed_resume_continues_the_exact_trajectory(session):
     files = set(os.listdir(latest))
     assert {"own_rank_00000.pt", "own_rank_00001.pt", "mp_rank_00_model_states.pt",
             "manifest.json", "state.json"} <= files
+
+
+@requires_deepspeed
+def test_a_deepspeed_milestone_holds_the_weights_only(session):
+    """Issue 68, item 4: ZeRO 1/2 keep every parameter whole on each rank, so a weights-only milestone is the torch
+    engine's (DCP of the model state, experts as DTensors); it reads back in one process as the DeepSpeed
+    checkpoint of its step cast by role, and the run it was saved in kept the exact trajectory (above)."""
+    from milestone_checks import assert_milestone_is_checkpoint_cast_by_role, stored_dtypes
+
+    from nagmoe.checkpoint import list_milestones, read_checkpoint_state
+    from nagmoe.rundir.info import read_saved_config
+
+    tmp, _ = session
+    run_dir = os.path.join(tmp, "resumed")
+    milestone = os.path.join(run_dir, "milestones", "step_000002")
+    assert list_milestones(run_dir) == [(2, milestone)]
+    state = read_checkpoint_state(milestone)
+    assert state["format"] == "weights-1" and state["layout"] == {"world_size": 2, "ep": 2}
+    assert all(k.startswith("model.") for k in stored_dtypes(milestone))
+    assert_milestone_is_checkpoint_cast_by_role(read_saved_config(run_dir), milestone,
+                                                os.path.join(run_dir, "checkpoints", "step_000002"))
 
 
 @requires_deepspeed

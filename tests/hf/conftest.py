@@ -30,8 +30,8 @@ def native_of():
 
 @pytest.fixture(scope="session")
 def exported_run(tmp_path_factory, micro_data, request):
-    """A micro NAG + MoE + MoD(20%) run trained 12 steps on the shared data, and its fp32 export (through the
-    CLI, checked without nagmoe): (run_dir, export_dir)."""
+    """A micro NAG + MoE + MoD(20%) run trained 12 steps on the shared data (a bf16 weights-only milestone at step
+    6), and its fp32 export (through the CLI, checked without nagmoe): (run_dir, export_dir)."""
     from nagmoe.cli import main
     from nagmoe.train.trainer import Trainer
 
@@ -44,7 +44,7 @@ def exported_run(tmp_path_factory, micro_data, request):
     cfg = load_config(os.path.join(variants.REPO, "configs", "tiny.yaml"), [
                        *root_conftest.MICRO_OVERRIDES, f"data.corpus={corpus}", f"data.data_dir={data_dir}",
                        "model.mod.skip_rate=0.2", "model.mod.start_tokens=0", "model.nag.warmup_tokens=0",
-                       "train.max_steps=12", "train.schedule_steps=12"])
+                       "train.max_steps=12", "train.schedule_steps=12", "train.keep_milestone_every_tokens=1536"])
     Trainer(cfg, run_dir, quiet=True).run()
     assert main(["export-hf", "--run-dir", run_dir, "--out", out]) == 0
     return run_dir, out

@@ -227,3 +227,28 @@ def test_an_explicit_checkpoint_is_exported_and_named(exported_run, tmp_path):
     assert json.load(open(os.path.join(out, "provenance.json")))["checkpoint"] == os.path.abspath(ckpt)
     assert main(["export-hf", "--run-dir", run_dir, "--out", str(tmp_path / "none"), "--checkpoint",
                  str(tmp_path / "missing")]) == 2
+
+
+def test_a_weights_only_milestone_exports(exported_run, tmp_path):
+    """Issue 68, item 4: `--checkpoint RUN/milestones/step_N` exports that milestone's weights (checked without
+    nagmoe), named as such: its step and tokens, no final bpb, the milestone's dtype."""
+    from nagmoe.checkpoint.milestone import low_precision_keys
+
+    run_dir, _ = exported_run
+    milestone = os.path.join(run_dir, "milestones", "step_000006")
+    out = str(tmp_path / "milestone")
+    assert main(["export-hf", "--run-dir", run_dir, "--out", out, "--checkpoint", milestone]) == 0
+    prov = json.load(open(os.path.join(out, "provenance.json")))
+    assert prov["checkpoint"] == os.path.abspath(milestone) and prov["step"] == 6 and prov["tokens"] == 1536
+    assert prov["milestone_dtype"] == "bf16" and prov["val_bpb"] is None
+    assert "from a bf16 weights-only milestone" in open(os.path.join(out, "README.md")).read()
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    model = native_run(run_dir, milestone).model
+    low = low_precision_keys(model)
+    for key, t in model.state_dict().items():
+        assert torch.equal(tensors[PREFIX + key], t), key  # the milestone's weights, fp32 as exported
+        if key in low:
+            assert t.dtype == torch.float32 and torch.equal(t, t.to(torch.bfloat16).float()), key
+    final = native_run(run_dir).model.state_dict()
+    assert not torch.equal(final["blocks.0.ffn.w_in"], model.state_dict()["blocks.0.ffn.w_in"])
+

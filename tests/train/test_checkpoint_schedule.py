@@ -25,9 +25,11 @@ def leftovers(run_dir):
 
 def test_milestones_survive_pruning(micro_config, tmp_path):
     run_dir = str(tmp_path / "run")
-    # 256 tokens per step: a milestone every 2 steps; the step interval alone would keep only the newest
+    # 256 tokens per step: a milestone every 2 steps; the step interval alone would keep only the newest. Full
+    # milestones (checkpoints marked so; weights-only ones live apart: tests/checkpoint/test_milestone.py)
     Trainer(micro_config("train.max_steps=7", "train.checkpoint_every=1", "train.keep_checkpoints=1",
-                         "train.keep_milestone_every_tokens=512"), run_dir, quiet=True).run()
+                         "train.keep_milestone_every_tokens=512", "train.milestone_dtype=full"), run_dir,
+            quiet=True).run()
     assert steps_on_disk(run_dir) == [2, 4, 6, 7]
     flags = {}
     for step, path in list_checkpoints(run_dir):
@@ -59,11 +61,11 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_training_goes_on(micro_
             raise CheckpointException("save failed", {0: (enospc(), None)})
         return real_dcp(fn, state, path)
 
-    def publish_(tmp, final, *args):
+    def publish_(tmp, final, *args, **kwargs):
         if final.endswith("step_000006") and failing["publish"]:
             failing["publish"] = 0
             raise enospc()
-        return real_publish(tmp, final, *args)
+        return real_publish(tmp, final, *args, **kwargs)
 
     monkeypatch.setattr(torch_layout, "_dcp", dcp)
     monkeypatch.setattr(torch_layout, "publish", publish_)
@@ -86,7 +88,7 @@ def test_a_failed_last_save_stops_the_run_with_one_line(micro_config, tmp_path, 
     Trainer(micro_config("train.max_steps=2", "train.checkpoint_every=2"), run_dir, quiet=True).run()
     real = torch_layout.publish
 
-    def publish_(tmp, final, *args):
+    def publish_(tmp, final, *args, **kwargs):
         raise enospc()
 
     monkeypatch.setattr(torch_layout, "publish", publish_)
