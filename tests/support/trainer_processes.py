@@ -74,17 +74,21 @@ def start(argv: Sequence[str], log_path, env: Optional[dict] = None) -> subproce
         log.close()  # the child holds its own descriptor
 
 
-def start_ranks(world: int, config: str, run_dir, log_dir, *more: str, env_extra: Optional[dict] = None):
+def start_ranks(world: int, config: str, run_dir, log_dir, *more: str, env_extra: Optional[dict] = None,
+                driver: Optional[Callable[[int], list]] = None):
     """`world` trainer processes launched as srun launches one task per rank (SLURM_PROCID/SLURM_NTASKS/
     SLURM_LOCALID, rendezvous on MASTER_ADDR:MASTER_PORT), without torchrun: a signal reaches the rank
-    itself, and a preempted rank exits 75. Returns the processes by rank; logs in LOG_DIR/rank<r>.log."""
+    itself, and a preempted rank exits 75. Returns the processes by rank; logs in LOG_DIR/rank<r>.log.
+    `driver(rank)`: the argv that runs `nagmoe train` for that rank, given before the train arguments (the crash
+    driver's, e.g.); default `python -m nagmoe train`."""
     port = str(free_port())
     procs = []
     for rank in range(world):
         env = clean_env(SLURM_PROCID=str(rank), SLURM_NTASKS=str(world), SLURM_LOCALID=str(rank),
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(env_extra or {}))
-        procs.append(start(nagmoe_train(*train_args(config, run_dir, *more)), os.path.join(log_dir, f"rank{rank}.log"),
-                           env))
+        args = train_args(config, run_dir, *more)
+        argv = [*driver(rank), *args] if driver is not None else nagmoe_train(*args)
+        procs.append(start(argv, os.path.join(log_dir, f"rank{rank}.log"), env))
     return procs
 
 
