@@ -16,6 +16,9 @@ each step. Three kinds:
   against the 120 s Slurm gives the batch script's trap, launch/train.sbatch); a save by minutes is late by
   at most sync_every steps; the metrics lines are buffered on rank 0 and written only after a sync step
   confirmed the lease (or after a fence before a checkpoint), so no line is written after the lease is lost.
+  With a background save in flight (train.checkpoint_async), each rank adds whether its save thread is done and
+  whether it failed: when every rank is done, or one failed, every rank settles the save at that step (one more
+  collective, once per save: nagmoe/checkpoint/async_save.py).
 * **At metrics steps** (`log.every`, eval steps, the last): the step's loss and auxiliary sums (their mean over
   ranks is the logged loss), the step's expert counts (its worst load) and, at log steps, the router's
   telemetry since the last report ride the same all-reduce (RouterAccounting.deferred_payload).
