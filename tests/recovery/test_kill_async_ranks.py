@@ -33,13 +33,14 @@ KILLED_SAVE = 20
 NO_FINAL_EVAL = (*TIMING_KEYS, "val_bpb")
 
 
-# (point, the rank frozen there, who is killed, the step the restart resumes from)
+# (point, the rank frozen there, who is killed, the step the restart resumes from): every point of the window, the
+# whole job and the frozen rank alone; rank 0 for the publish (it alone publishes), rank 1 elsewhere
 CASES = [
-    ("digests", 1, "job", 10),  # rank 1 hashed its files; nothing published
-    ("before_publish", 0, "job", 20),  # rank 0's tmp dir complete, manifest written: the resume publishes it
-    ("background_write", 1, "rank", 10),  # one rank dies with its files written, unhashed
-    ("before_publish", 0, "rank", 20),  # rank 0 dies just before its rename
-]
+    ("staging", 1, "job", 10), ("staging", 1, "rank", 10),  # a rank copying its state off the device
+    ("background_write", 1, "job", 10), ("background_write", 1, "rank", 10),  # its files written, unhashed
+    ("digests", 1, "job", 10), ("digests", 1, "rank", 10),  # its files hashed; nothing published
+    ("before_publish", 0, "job", 20), ("before_publish", 0, "rank", 20),  # complete, manifest written: the resume
+]                                                                          # publishes it
 
 
 @pytest.mark.parametrize("point,frozen,killed,resumes_from", CASES,
