@@ -31,15 +31,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from nagmoe.base.errors import UserError, shown
-from nagmoe.base.files import fsync_dir
 from nagmoe.checkpoint.async_save import gather_digests, merge_gathered
-from nagmoe.checkpoint.files import (MANIFEST, STATE, STEP_DIR, checkpoint_name, describe_files, extra_with_step,
-                                     list_checkpoints, read_checkpoint_state, verify_checkpoint, write_json)
-from nagmoe.checkpoint.publish import (_raise_if_moved, is_milestone, new_save_dir, remove_dir, remove_leftovers,
-                                       remove_replaced)
+from nagmoe.checkpoint.files import (MANIFEST, STEP_DIR, checkpoint_name, extra_with_step, list_checkpoints,
+                                     read_checkpoint_state, verify_checkpoint)
+from nagmoe.checkpoint.publish import is_milestone, new_save_dir, publish_dir, remove_dir, remove_leftovers
 from nagmoe.checkpoint.safe_dcp import safe_dcp_load
-from nagmoe.checkpoint.torch_layout import (_broadcast_from_rank0, _dcp, _distributed, _ep_degree, _on_rank0, _rank,
-                                            _unwrap_sharded, _wrap_sharded)
+from nagmoe.checkpoint.torch_layout import (_dcp, _distributed, _ep_degree, _on_rank0, _rank, _unwrap_sharded,
+                                            _wrap_sharded)
 from nagmoe.rundir.names import MILESTONES
 
 FORMAT = "weights-1"  # state.json "format" of a weights-only milestone (torch_layout.load_checkpoint refuses it)
@@ -84,28 +82,15 @@ def _step_dirs(root: str) -> list[tuple[int, str]]:
 
 
 def _publish(tmp: str, final: str, run_dir: str, state: dict, tag: str, known: dict) -> None:
-    """publish.publish without its pruning of checkpoints/: state.json, the manifest (`known`: the digests each
-    rank took of its own files), one rename over any step_N there (a milestone of an abandoned timeline: the run
-    resumed from an earlier checkpoint, or started over); then the milestones after this step (that timeline's
-    too: they would be kept beside this run's) and the leftovers of crashed milestone saves go. The same
-    take-over handling (`_raise_if_moved`)."""
-    root = os.path.dirname(final)
-    try:
-        write_json(os.path.join(tmp, STATE), state)
-        files = describe_files(tmp, known)
-        write_json(os.path.join(tmp, MANIFEST), {"format": state["format"], "step": state["step"], "files": files})
-        fsync_dir(tmp)
-        if os.path.lexists(final):
-            remove_replaced(final, tmp, tag)
-        os.rename(tmp, final)
-    except OSError:
-        _raise_if_moved(tmp, final, run_dir)
-        raise
-    fsync_dir(root)
-    for step, path in _step_dirs(root):
+    """publish.publish_dir (state.json, the manifest from `known` and what no rank hashed, one rename over any
+    step_N there: a milestone of an abandoned timeline, the run resumed from an earlier checkpoint or started
+    over), then, instead of checkpoints/' pruning, the milestones after this step go (that timeline's too: they
+    would be kept beside this run's) with the leftovers of crashed milestone saves."""
+    publish_dir(tmp, final, run_dir, state, tag, known)
+    for step, path in _step_dirs(os.path.dirname(final)):
         if step > state["step"]:
             remove_dir(path, tag)
-    remove_leftovers(root)
+    remove_leftovers(os.path.dirname(final))
 
 
 def save_milestone(run_dir: str, step: int, model: nn.Module, extra_state: dict, dtype: str = "bf16",
@@ -136,15 +121,7 @@ def save_milestone(run_dir: str, step: int, model: nn.Module, extra_state: dict,
 def load_milestone(path: str, model: nn.Module, shard_plan: Optional[dict] = None, verified: bool = False) -> dict:
     """Verify the manifest (rank 0, unless `verified`), load the milestone's weights into `model` (a bf16 tensor
     is cast to the model's dtype); return its extra state with "step" set."""
-    error = None
-    if _rank() == 0 and not verified:
-        try:
-            verify_checkpoint(path)
-        except UserError as e:
-            error = str(e)
-    error = _broadcast_from_rank0(error)
-    if error is not None:
-        raise UserError(error)
+    _on_rank0(lambda: None if verified else verify_checkpoint(path))  # its UserError raised on every rank
     state = read_checkpoint_state(path)
     if state["format"] != FORMAT:
         raise UserError(f"milestone {shown(path)}: format {shown(state['format'])}, expected {FORMAT!r}")

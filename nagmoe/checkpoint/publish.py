@@ -122,11 +122,16 @@ def _raise_if_moved(tmp: str, final: str, run_dir: str) -> None:
 
 def publish(tmp: str, final: str, run_dir: str, state: dict, keep: int, tag: str,
             known: Optional[dict] = None) -> None:
-    """Write state.json and the manifest into the complete `tmp`, rename it to `final`, prune to `keep`. When
-    another writer moves `tmp` (or step_N) away meanwhile, a UserError: the fence's, naming the run dir's new
+    """`publish_dir`, then prune checkpoints/ to `keep`."""
+    publish_dir(tmp, final, run_dir, state, tag, known)
+    prune(os.path.dirname(final), run_dir, state["step"], keep, tag)
+
+
+def publish_dir(tmp: str, final: str, run_dir: str, state: dict, tag: str, known: Optional[dict] = None) -> None:
+    """Write state.json and the manifest into the complete `tmp`, rename it to `final` (over an invalid one there).
+    When another writer moves `tmp` (or step_N) away meanwhile, a UserError: the fence's, naming the run dir's new
     holder, or one saying the directory was moved (`_raise_if_moved`). `known`: digests the writing ranks
     computed of their own files (files.own_digests); only the rest is hashed here."""
-    root = os.path.dirname(final)
     try:
         write_json(os.path.join(tmp, STATE), state)
         files = describe_files(tmp, known)
@@ -141,5 +146,4 @@ def publish(tmp: str, final: str, run_dir: str, state: dict, keep: int, tag: str
     except OSError:
         _raise_if_moved(tmp, final, run_dir)
         raise
-    fsync_dir(root)
-    prune(root, run_dir, state["step"], keep, tag)
+    fsync_dir(os.path.dirname(final))

@@ -237,15 +237,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizers=None, restore_rng: b
     `shard_plan` is this run's. `rng_seed` (train.seed) seeds the generators of a rank the saving layout
     did not have.
     """
-    error = None
-    if _rank() == 0 and not verified:
-        try:
-            verify_checkpoint(path)
-        except UserError as e:
-            error = str(e)
-    error = _broadcast_from_rank0(error)
-    if error is not None:
-        raise UserError(error)
+    _on_rank0(lambda: None if verified else verify_checkpoint(path))  # its UserError raised on every rank
     state = read_checkpoint_state(path)
     if state.get("format") != FORMAT:
         raise UserError(f"checkpoint {path}: unsupported format {state.get('format')!r} (expected {FORMAT})")
