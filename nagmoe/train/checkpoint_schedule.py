@@ -112,6 +112,15 @@ class CheckpointSchedule:
             warn(f"{message}; training continues")
 
 
+def background_saves_on(cfg, distributed: bool, device_type: str) -> bool:
+    """`train.checkpoint_async` resolved (issue 68): auto = on for distributed runs and on CUDA; never on the
+    DeepSpeed engine (its save is DeepSpeed's own; the trainer refuses `on` there)."""
+    mode = cfg.train.checkpoint_async
+    if cfg.parallel.engine == "deepspeed" or mode == "off":
+        return False
+    return mode == "on" or distributed or device_type == "cuda"
+
+
 def save_error(exc: BaseException) -> Optional[str]:
     """The one-line reason of a failed save, or None when `exc` is not an I/O failure (then it propagates)."""
     return io_reason(exc)

@@ -316,8 +316,15 @@ def estimate_memory(cfg, ep: Optional[int] = None, micro_batch_tokens: Optional[
     out["layout"]["loss_recompute"] = loss_recompute
     out["receive_worst"] = receive_worst_bytes(cfg.model, rows * seq, ep, rules is not None)
     out["runtime"] = CUDA_RUNTIME_BYTES if device == "cuda" else CPU_PROCESS_BYTES
+    # a background save's staging copy of the rank's state (issue 68, nagmoe/checkpoint/async_save.py): kept for
+    # the whole run; host memory (pinned) on CUDA, so in the total only on the CPU
+    from nagmoe.train.checkpoint_schedule import background_saves_on
+
+    background = background_saves_on(cfg, world > 1, device)
+    out["checkpoint_staging"] = params["parameters"] + params["optimizer"] if background else 0
+    out["layout"]["checkpoint_async"] = background
     parts = ("parameters", "gradients", "ddp_buckets", "optimizer", "optimizer_workspace", "activations",
-             "backward_transient", "receive_worst", "runtime")
+             "backward_transient", "receive_worst", "runtime") + (("checkpoint_staging",) if device == "cpu" else ())
     out["total"] = sum(out[k] for k in parts)
     out["parts"] = list(parts)
     return out

@@ -11,7 +11,7 @@ from nagmoe.checkpoint import save_checkpoint, save_milestone
 from nagmoe.checkpoint.async_save import BackgroundSave
 from nagmoe.checkpoint.milestone import saved_bytes
 from nagmoe.checkpoint.publish import save_paths
-from nagmoe.train.checkpoint_schedule import CheckpointSchedule, dir_bytes, save_error
+from nagmoe.train.checkpoint_schedule import CheckpointSchedule, background_saves_on, dir_bytes, save_error
 
 
 class TrainerCheckpoints:
@@ -24,13 +24,9 @@ class TrainerCheckpoints:
         return self._schedule
 
     def background_saves(self) -> Optional[BackgroundSave]:
-        """`train.checkpoint_async` resolved (issue 68): auto = on for distributed runs and on CUDA; the DeepSpeed
-        engine saves synchronously (its files are DeepSpeed's own: `check_async_choice` refuses `on`). Collective
-        when it is on (the side gloo group is created)."""
-        mode = self.cfg.train.checkpoint_async
-        if self.engine is not None or mode == "off":
-            return None
-        if mode == "auto" and not (self.mesh.distributed or self.device.type == "cuda"):
+        """The run's background saves when `train.checkpoint_async` resolves on (checkpoint_schedule.
+        background_saves_on), else None. Collective when on (the side gloo group is created)."""
+        if not background_saves_on(self.cfg, self.mesh.distributed, self.device.type):
             return None
         return BackgroundSave(self.rank, pin=self.device.type == "cuda", log=self._log)
 

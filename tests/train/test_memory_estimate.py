@@ -65,6 +65,21 @@ def test_the_parts_follow_the_layout(micro_config):
     assert one["total"] == sum(one[k] for k in one["parts"])
 
 
+def test_a_background_save_s_staging_copy_is_counted_where_it_lives(micro_config):
+    """Issue 68: with background saves (train.checkpoint_async auto: on for 2 ranks or CUDA) each rank keeps a CPU
+    copy of its model and optimizer state for the whole run: in the CPU total, reported apart on CUDA (host
+    memory, pinned), nothing when off or in one CPU process."""
+    cfg = micro_config()
+    two = estimate_memory(cfg, ep=2, device="cpu", world_size=2)
+    assert two["checkpoint_staging"] == two["parameters"] + two["optimizer"] > 0
+    assert "checkpoint_staging" in two["parts"] and two["total"] == sum(two[k] for k in two["parts"])
+    off = estimate_memory(micro_config("train.checkpoint_async=off"), ep=2, device="cpu", world_size=2)
+    assert off["checkpoint_staging"] == 0 and off["total"] == two["total"] - two["checkpoint_staging"]
+    assert estimate_memory(cfg, ep=1, device="cpu", world_size=1)["checkpoint_staging"] == 0
+    gpu = estimate_memory(cfg, ep=1, device="cuda", world_size=1)
+    assert gpu["checkpoint_staging"] > 0 and "checkpoint_staging" not in gpu["parts"]
+
+
 def test_params_memory_command_and_its_refusals(micro_config, capsys, tmp_path):
     cfg_path = tmp_path / "c.yaml"
     from nagmoe.config import dump_yaml
