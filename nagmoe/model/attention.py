@@ -36,7 +36,7 @@ from torch import nn
 from nagmoe.base.errors import UserError
 from nagmoe.model.common import init_linear_uniform, recording, rms_norm
 from nagmoe.model.init_rng import ParamInit
-from nagmoe.model.mod import Selection
+from nagmoe.model.mod import Selection, decide
 from nagmoe.ops.position_attention import chunked_attention_available, chunked_position_attention
 from nagmoe.ops.registry import Registry
 
@@ -356,6 +356,7 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cache: Optional[AttentionCache] = None, select=None):
         """`(y_BTD, None)`; with `select` (MoD) `(y_ND, None)` for the executed tokens only (module docstring)."""
+        select = decide(select)  # static MoD: the decision inside this sublayer's compiled unit
         B, T, _ = x_BTD.shape
         H, K, S = self.n_heads, self.n_kv_heads, self.head_dim
         offset = cache.length if cache is not None else 0

@@ -47,7 +47,7 @@ from nagmoe.base.errors import UserError
 from nagmoe.config.flops import attention_heads
 from nagmoe.model.attention import (AttentionCache, apply_rope, attention_at_positions, causal_attention,
                                     executed_queries, resolve_attention_impl, rope_tables, rotary_dims)
-from nagmoe.model.mod import Selection
+from nagmoe.model.mod import Selection, decide
 from nagmoe.model.common import init_linear_uniform, rms_norm
 from nagmoe.model.init_rng import ParamInit
 from nagmoe.model.roles import SCALAR
@@ -189,6 +189,7 @@ class CCAttention(nn.Module):
         """`(y_BTD, None)`; with `select` (MoD, nagmoe.model.mod.ExecutedTokens) `(y_ND, None)` for the N
         executed tokens: the latents, convs, keys and values still run on every token (the convs and the q-k
         mean read every token's raw q0, k0), only the executed queries' score rows and c_proj are computed."""
+        select = decide(select)  # static MoD: the decision inside this sublayer's compiled unit
         B, T, _ = x_BTD.shape
         H, S = self.n_heads, self.head_dim
         offset = cache.length if cache is not None else 0

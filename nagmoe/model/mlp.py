@@ -11,11 +11,14 @@ from torch import nn
 
 from nagmoe.model.common import init_linear_uniform
 from nagmoe.model.init_rng import ParamInit
+from nagmoe.model.mod import decide
 from nagmoe.ops.activations import relu_squared
 
 
 class DenseMLP(nn.Module):
-    """y = c_proj(relu(c_fc(x))²); hidden defaults to 4·d. Returns (y, None), the sublayer call shape."""
+    """y = c_proj(relu(c_fc(x))²); hidden defaults to 4·d. Returns (y, None), the sublayer call shape. Under static
+    MoD (`select`, a nagmoe.model.mod.Selection) every token is computed; the forward only makes the decision,
+    so a compiled FFN makes it inside its unit."""
 
     def __init__(self, d_model: int, hidden: Optional[int] = None, init_std: Optional[float] = None):
         super().__init__()
@@ -32,6 +35,7 @@ class DenseMLP(nn.Module):
         init_linear_uniform(self, "c_fc", self.init_std, init)
         init.zeros_(self, "c_proj.weight")
 
-    def forward(self, x_BTD: torch.Tensor):
+    def forward(self, x_BTD: torch.Tensor, select=None):
+        decide(select)
         h_BTF = relu_squared(self.c_fc(x_BTD))  # r·r: no fp32 pow under CUDA autocast
         return self.c_proj(h_BTF), None

@@ -30,12 +30,13 @@ Two implementations of the same function (`model.mod.impl`, `resolve_mod_impl`):
           keeps the executed rows with torch.where. No host read, the same graph before and after skipping
           starts and whatever the counts: what a GPU needs (torch.compile, CUDA graphs), at the price of the
           attention's and dense FFN's skipped rows (the MoE's expert GEMMs, the bulk of the skippable work,
-          are saved).
+          are saved). The decision itself (`static_decision`: the mask, the counts, the score histogram) is
+          made inside the sublayer's compiled unit, not between units (issue 69, item 3).
 `auto` = static on CUDA, gather elsewhere.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -56,11 +57,74 @@ def resolve_mod_impl(setting: str, device_type: str) -> str:
     return setting
 
 
-class Selection(NamedTuple):
+class Selection:
     """model.mod.impl=static: the tokens of a (B, T) batch that execute a sublayer, as a device mask only. A
     sublayer called with `select=Selection` computes every token (fixed shapes) and its output rows of skipped
-    tokens are discarded by the stream; a MoE gives them no expert slot and no statistic."""
-    mask_BT: torch.Tensor
+    tokens are discarded by the stream; a MoE gives them no expert slot and no statistic.
+
+    Made from a mask (`Selection(mask_BT)`) or, as the calibrator hands it out, undecided: `decision` holds the
+    inputs of `static_decision` and `resolve()` computes the mask and the call's counts from them. Every
+    sublayer's forward resolves it first thing (`decide`), so a compiled sublayer makes the decision inside its
+    MoD unit's graph (issue 69, item 3); one that never ran it (a spy, a test) resolves at the first read of
+    `mask_BT` or `counts_1P`."""
+
+    def __init__(self, mask_BT: Optional[torch.Tensor] = None, decision: Optional[tuple] = None):
+        self.decision = decision
+        self.decided_mask_BT, self.decided_counts_1P = mask_BT, None
+
+    def resolve(self) -> "Selection":
+        """Make the decision (again, if made: a checkpoint's recompute makes the same one from the same inputs).
+        Always recomputed, never tested for: a compiled unit then guards on nothing but the inputs."""
+        if self.decision is not None:
+            self.decided_mask_BT, self.decided_counts_1P = static_decision(*self.decision)
+        return self
+
+    @property
+    def mask_BT(self) -> torch.Tensor:
+        if self.decided_mask_BT is None:
+            self.resolve()
+        return self.decided_mask_BT
+
+    @property
+    def counts_1P(self) -> Optional[torch.Tensor]:
+        """The call's counts (`static_decision`), None for a Selection made from a mask."""
+        if self.decided_counts_1P is None and self.decision is not None:
+            self.resolve()
+        return self.decided_counts_1P
+
+
+def decide(select):
+    """`select` with static MoD's decision made (`Selection.resolve`), anything else as given. A sublayer's forward
+    calls it first: compiled, the decision is traced in the forward's own frame, so a graph break later in it
+    (the MoE's expert call) splits nothing more."""
+    return select.resolve() if isinstance(select, Selection) else select
+
+
+COUNTS = ("executed", "tokens", "padded")  # the first columns of static_decision's counts; then the histogram
+
+
+def static_decision(score_BT: torch.Tensor, threshold_n: torch.Tensor, skipping_n: torch.Tensor,
+                    index_1: torch.Tensor, bins: int, histogram: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static MoD's decision for one call of sublayer l = `index_1` (a (1,) device index into the calibrator's
+    (n,) thresholds and skip flags: no per-sublayer python int reaches a compiled unit's guards), with fixed shapes
+    and no host read:
+        mask_BT = (r > p_l) | ¬skipping_l            (before the start every token executes: the same graph)
+    and its counts as one (1, P) float64 row, P = 3 (+ K with `histogram`, a training forward):
+        [executed Σ mask, tokens B·T, padded B·max_b Σ_t mask_bt (attention's padded query rows under gather),
+         score histogram h_k = #{t : clamp(floor(r_t·K), 0, K-1) = k}, K = `bins`].
+    Integer-valued, so the calibrator's sums are exact whatever their order (gather's counts, bit for bit)."""
+    B, score_BT = score_BT.shape[0], score_BT.detach()  # a decision: no gradient
+    threshold_1, skipping_1 = threshold_n.index_select(0, index_1), skipping_n.index_select(0, index_1)
+    mask_BT = (score_BT > threshold_1) | ~skipping_1
+    counts_B = mask_BT.sum(1)
+    executed = counts_B.sum()
+    padded = counts_B.amax() * B if B else executed
+    parts = [torch.stack([executed, torch.full_like(executed, score_BT.numel()), padded]).to(torch.float64)]
+    if histogram:
+        bin_N = (score_BT.reshape(-1).float() * bins).long().clamp(0, bins - 1)
+        ones_N = torch.ones(bin_N.shape, dtype=torch.float64, device=bin_N.device)
+        parts.append(torch.zeros(bins, dtype=torch.float64, device=bin_N.device).index_add(0, bin_N, ones_N))
+    return mask_BT, torch.cat(parts).unsqueeze(0)
 
 
 def _true_rows(mask_N: torch.Tensor, n: int) -> torch.Tensor:
@@ -187,13 +251,13 @@ class ExecutedTokens:
 
 def run_on_executed(sublayer: Callable, x_BTD: torch.Tensor, select: Optional[ExecutedTokens] = None):
     """A per-token sublayer (dense FFN, MoE) on the executed tokens only: `(y_ND, aux[, gate_scale_N])` for
-    the N gathered tokens, or the sublayer's own output when `select` is None or a `Selection` (static: a MoE
-    takes it and routes only the executed tokens; a dense FFN computes every token). The MoE routes only these
-    tokens (its aux losses are statistics of the executed tokens)."""
+    the N gathered tokens, or the sublayer's own output when `select` is None or a `Selection` (static: the
+    sublayer makes the decision; a MoE routes only the executed tokens, a dense FFN computes every token). The
+    MoE routes only these tokens (its aux losses are statistics of the executed tokens)."""
     if select is None:
         return sublayer(x_BTD)
     if isinstance(select, Selection):  # static: every token, full shapes; the stream keeps the executed rows
-        return sublayer(x_BTD, select=select) if hasattr(sublayer, "lb_granularity") else sublayer(x_BTD)
+        return sublayer(x_BTD, select=select)
     # a MoE balancing per sequence needs each gathered token's row (model.moe.lb_granularity=sequence)
     rows = ({"rows": (torch.div(select.index_N, select.T, rounding_mode="floor"), select.B)}
             if getattr(sublayer, "lb_granularity", None) == "sequence" else {})

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from nagmoe.base.errors import UserError
-from nagmoe.model.mod import ExecutedTokens, Selection, resolve_mod_impl
+from nagmoe.model.mod import COUNTS, ExecutedTokens, Selection, resolve_mod_impl
 
 EXECUTE_ALL = -1.0  # a threshold below every score (r >= 0)
 THRESHOLD_MODES = ("global", "per_sublayer", "fixed")
@@ -112,7 +112,10 @@ class MoDCalibrator(nn.Module):
     sublayer skips; off before the start and for ineligible sublayers), `tokens_seen ()`, and the run totals
     `executed_total (n,)`, `tokens_total ()`. Not saved: the work weights (from the config), this step's
     pending counts (empty at every step boundary, where checkpoints are taken) and the counters of forwards
-    outside training (generation, evaluation, the dial's calibration)."""
+    outside training (generation, evaluation, the dial's calibration). The counts are packed one row per
+    sublayer, `pending (n, 3 + K)` and `inference (n, 3)`, in static_decision's column order (executed, tokens,
+    padded, histogram), so a static call adds its row in one op; `pending_executed`, `pending_tokens`,
+    `pending_padded`, `pending_hist`, `inference_executed` and `inference_tokens` are views of them."""
 
     def __init__(self, n_sublayers: int, skip_rate: float, eligible: Sequence[bool], start_tokens: int = 0,
                  bins: int = 2048, decay: float = 0.5, correction_gain: float = 0.5, mode: str = "per_sublayer",
@@ -147,10 +150,9 @@ class MoDCalibrator(nn.Module):
         self.register_buffer("executed_total", torch.empty(n, dtype=f64))
         self.register_buffer("tokens_total", torch.empty((), dtype=f64))
         # this step's counts (training forwards), folded in by update(); padded = attention's B·M query rows
-        for name in ("pending_executed", "pending_tokens", "pending_padded", "inference_executed",
-                     "inference_tokens"):
-            self.register_buffer(name, torch.empty(n, dtype=f64), persistent=False)
-        self.register_buffer("pending_hist", torch.empty(n, self.bins, dtype=f64), persistent=False)
+        self.register_buffer("pending", torch.empty(n, len(COUNTS) + self.bins, dtype=f64), persistent=False)
+        self.register_buffer("inference", torch.empty(n, len(COUNTS), dtype=f64), persistent=False)
+        self._index_1: dict = {}  # device -> [(1,) index of each sublayer] (static_decision's, made once)
         self.reset_buffers()
         self.set_work_weights(work_weights)
         self.last_step: Optional[dict] = None  # the step update() just folded in (see there)
@@ -168,9 +170,16 @@ class MoDCalibrator(nn.Module):
             self.work_weight.copy_(torch.tensor(self.work_weight_list, dtype=torch.float64))
         self.threshold.fill_(EXECUTE_ALL)
         for buf in (self.histogram, self.correction, self.skipping, self.tokens_seen, self.executed_total,
-                    self.tokens_total, self.pending_executed, self.pending_tokens, self.pending_padded,
-                    self.inference_executed, self.inference_tokens, self.pending_hist):
+                    self.tokens_total, self.pending, self.inference):
             buf.zero_()
+
+    # views of the packed counts (class docstring), by static_decision's columns
+    pending_executed = property(lambda self: self.pending[:, 0])
+    pending_tokens = property(lambda self: self.pending[:, 1])
+    pending_padded = property(lambda self: self.pending[:, 2])
+    pending_hist = property(lambda self: self.pending[:, len(COUNTS):])
+    inference_executed = property(lambda self: self.inference[:, 0])
+    inference_tokens = property(lambda self: self.inference[:, 1])
 
     def extra_repr(self) -> str:
         return (f"mode={self.mode}, skip_rate={self.skip_rate}, eligible={sum(self.eligible_list)}/"
@@ -195,14 +204,15 @@ class MoDCalibrator(nn.Module):
 
     def select(self, index: int, score_BT: torch.Tensor):
         """The executed tokens of sublayer `index` (score > threshold), or None when it runs every token
-        (ineligible; with `gather` also before skipping starts). `static` (model.mod.impl) returns a
+        (ineligible; with `gather` also before skipping starts). `static` (model.mod.impl) returns an undecided
         `Selection` for every eligible sublayer, before the start too (mask all True): the same graph every
-        step. Training forwards add the scores to this step's histogram."""
+        step; the caller hands it to the sublayer, then to `record`. Training forwards add the scores to this
+        step's histogram."""
         if not self.eligible_list[index]:
             return None
-        score_BT = score_BT.detach()
         if self.resolved_impl(score_BT.device) == "static":
-            return self._select_static(index, score_BT)
+            return self._select_static(index, score_BT)  # detached in the decision
+        score_BT = score_BT.detach()
         mask_BT = score_BT > self.threshold[index]
         # the sublayer's one device->host read: does it skip, how many execute, the most in one sequence (and
         # for attention, the even indices of the transformer, the key ends of its query blocks)
@@ -214,16 +224,30 @@ class MoDCalibrator(nn.Module):
         return select if skipping else None
 
     def _select_static(self, index: int, score_BT: torch.Tensor) -> Selection:
-        """The static Selection: the skip flag applied on the device, the counts device adds (no host read)."""
-        mask_BT = (score_BT > self.threshold[index]) | ~self.skipping[index]
-        counts_B = mask_BT.sum(1)
-        padded = counts_B.amax() * mask_BT.shape[0] if mask_BT.shape[0] else counts_B.sum()
-        self._add_scores(index, score_BT, counts_B.sum(), padded)
-        return Selection(mask_BT)
+        """The static Selection, undecided (no op here): the sublayer makes the decision where it runs, inside its
+        compiled unit when compiled (mod.static_decision: the mask with the skip flag applied on the device, the
+        counts, the score histogram of a training forward); `record` then adds the counts."""
+        return Selection(decision=(score_BT, self.threshold, self.skipping, self._sublayer_index(index), self.bins,
+                                   self.training))
+
+    def _sublayer_index(self, index: int) -> torch.Tensor:
+        """Sublayer `index` as a (1,) device tensor, made once per device: a compiled unit reads the threshold and
+        the skip flag through it, so the one graph of a class serves every sublayer."""
+        device = self.threshold.device
+        if device not in self._index_1:
+            self._index_1[device] = [torch.full((1,), i, device=device) for i in range(self.n_sublayers)]
+        return self._index_1[device][index]
+
+    def record(self, index: int, select: Selection) -> None:
+        """A static call's counts (its `counts_1P`, decided by then) into this step's counts (a training decision)
+        or those of the forwards outside training: one index_add of the call's row."""
+        counts_1P = select.counts_1P
+        packed = self.pending if counts_1P.shape[1] > len(COUNTS) else self.inference
+        packed.index_add_(0, self._sublayer_index(index), counts_1P)
 
     def _add_scores(self, index: int, score_BT: torch.Tensor, executed, padded) -> None:
-        """This forward's counts of sublayer `index`: the score histogram, tokens, executed tokens and padded
-        query rows (python ints or device tensors alike) for training; executed and tokens otherwise."""
+        """Gather's counts of sublayer `index` (static's: `record`): the score histogram, tokens, executed tokens
+        and padded query rows (python ints or device tensors alike) for training; executed and tokens otherwise."""
         if self.training:
             bin_N = (score_BT.reshape(-1).float() * self.bins).long().clamp_(0, self.bins - 1)
             hist_K = self.pending_hist[index]  # index_add_, not bincount: no output-size read
@@ -236,9 +260,9 @@ class MoDCalibrator(nn.Module):
             self.inference_executed[index] += executed
 
     def pending_counts(self) -> torch.Tensor:
-        """This step's counts, packed in one float64 tensor (what `update` all-reduces over ranks)."""
-        return torch.cat([self.pending_hist.reshape(-1), self.pending_executed, self.pending_tokens,
-                          self.pending_padded])
+        """This step's counts, packed in one float64 tensor (what `update` all-reduces over ranks): a copy of
+        `pending`, rows of (executed, tokens, padded, histogram)."""
+        return self.pending.reshape(-1).clone()
 
     @torch.no_grad()
     def update(self, reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> list[float]:
@@ -252,8 +276,9 @@ class MoDCalibrator(nn.Module):
         if reduce_fn is not None:  # an all-reduce SUM, in place or returning the sum
             reduced = reduce_fn(packed)
             packed = packed if reduced is None else reduced
-        hist_nK = packed[: n * K].view(n, K)
-        executed_n, tokens_n, padded_n = packed[n * K:].view(3, n)
+        counts_nP = packed.view(n, len(COUNTS) + K)
+        executed_n, tokens_n, padded_n = counts_nP[:, :len(COUNTS)].unbind(1)
+        hist_nK = counts_nP[:, len(COUNTS):]
         step_tokens = tokens_n.max()  # every eligible sublayer sees every token; others record nothing
         counted_n = self.eligible & (tokens_n > 0)
         fractions_n = torch.where(counted_n, executed_n / tokens_n.clamp_min(1), torch.ones_like(executed_n))
@@ -267,8 +292,7 @@ class MoDCalibrator(nn.Module):
         self._set_thresholds(self.skip_rate + self.correction)
         started = self.tokens_seen >= self.start_tokens
         self.skipping.copy_(self.eligible & (self.histogram.sum(1) > 0) & started & (self.skip_rate > 0))
-        for buf in (self.pending_hist, self.pending_executed, self.pending_tokens, self.pending_padded):
-            buf.zero_()
+        self.pending.zero_()
         summary = torch.cat([fractions_n, padded_frac_n, was_skipping.double().view(1),
                              step_tokens.view(1)]).tolist()  # the step's one device->host read
         self.last_step = {"executed": summary[:n], "padded": summary[n:2 * n], "skipping": bool(summary[2 * n]),
@@ -345,8 +369,7 @@ class MoDCalibrator(nn.Module):
         return [wi * (1.0 - f) / total if e else 0.0 for wi, f, e in zip(w, fractions, self.eligible_list)]
 
     def reset_inference_counts(self) -> None:
-        self.inference_executed.zero_()
-        self.inference_tokens.zero_()
+        self.inference.zero_()
 
     def inference_fractions(self) -> Optional[list[float]]:
         """Executed fraction per sublayer of the forwards outside training so far (None before any)."""

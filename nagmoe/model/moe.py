@@ -44,6 +44,7 @@ from torch import nn
 from nagmoe.config import MoEConfig
 from nagmoe.base.errors import UserError
 from nagmoe.model.init_rng import ParamInit
+from nagmoe.model.mod import decide
 from nagmoe.model.roles import MATRIX, ROUTER
 from nagmoe.ops.cast_cache import WeightCastCache
 from nagmoe.ops.grouped_experts import EXPERT_FORWARD, expert_compute_dtype, expert_path, resolve_expert_backend
@@ -292,7 +293,9 @@ class MoELayer(nn.Module):
         `select` (a nagmoe.model.mod.Selection, model.mod.impl=static): every token is routed, but only the
         executed ones (`select.mask_BT`) take expert slots, count in the statistics and losses and get an
         output (the others' rows are 0): the same function as running the layer on the gathered executed
-        tokens, with shapes that do not depend on how many execute (`_slots_live`)."""
+        tokens, with shapes that do not depend on how many execute (`_slots_live`). The decision is made here,
+        in this frame (`mod.decide`): compiled, inside the unit's first graph, before the expert call may leave it."""
+        select = decide(select)
         B, T, D = x_BTD.shape
         N, E, K = B * T, self.n_experts, self.top_k
         x_ND = x_BTD.reshape(N, D)

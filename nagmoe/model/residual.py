@@ -278,7 +278,9 @@ class NAGResidual(ResidualStream):
                 f_BTD, aux, gate_scale_BT = _unpack(sublayer(direction_BTD))
                 f_BTD = f_BTD + gate.base.to(f_BTD.dtype)  # F(R_bar) + X_l
             elif isinstance(select, Selection):  # static: every row computed, the skipped ones discarded
+                # the decision (mask, counts, histogram) is made where the sublayer runs: in its compiled unit
                 y_BTD, aux, gate_scale_BT = _unpack(sublayer(direction_BTD, select=select))
+                self.mod.record(index, select)
                 new_log_norm_BT, new_direction_BTD = self.ops.masked_update(  # one region (nag_fused.py)
                     log_norm_BT, direction_BTD, y_BTD, gate.base, select.mask_BT, scale_BT, self.eps, gate_scale_BT)
             else:  # F on the executed tokens only: X_l + F(R_bar) executed, X_l skipped, in one pass

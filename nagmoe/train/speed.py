@@ -11,10 +11,14 @@ compile (`train.compile`: auto | true | false; auto = on for CUDA, off for CPU; 
     `model.nag.impl` (`compiled` on CUDA: its own fused regions, also index-free), the embedding eagerly; the
     loss's chunk (decode, softcap, log-softmax, NLL) is its own compiled region (`model.loss_chunk`,
     nagmoe/ops/loss.py), one graph for every chunk. Dynamic sizes:
-      - static MoD (`model.mod.impl=static`, the CUDA default): `select=Selection` (a device mask, fixed
-        shapes) goes to the sublayer's MoD unit, compiled once per class like the plain one, with
-        fullgraph=True but for the MoE (its expert call may leave the graph, below): the same graphs before and
-        after skipping starts, whatever the counts;
+      - static MoD (`model.mod.impl=static`, the CUDA default): `select=Selection` goes to the sublayer's MoD
+        unit, compiled once per class like the plain one, with fullgraph=True but for the MoE (its expert call
+        may leave the graph, below): the same graphs before and after skipping starts, whatever the counts. The
+        Selection comes undecided (the score, the calibrator's thresholds and skip flags, the sublayer as a (1,)
+        device index) and every sublayer's forward decides it first thing (`mod.decide`: the mask, the executed
+        counts, the score histogram; issue 69, item 3), so the decision is traced into the unit's graph, in the
+        forward's own frame (a wrapper frame around it would split the MoE's unit at its expert call), instead
+        of running as ~40 small eager ops between units;
       - gather MoD's FFN runs on the gathered executed tokens `(1, N, D)` (`rows=` too, to the MoD unit): N
         changes every step, so the first such call recompiles once with N symbolic (`dynamic=None`, automatic
         dynamic shapes) and later steps reuse that graph;

@@ -18,11 +18,19 @@ mod_speed section reads its shares from this table), its whole `evaluate_functio
 
 Per region: time (device time of the kernels on CUDA, host CPU time on the CPU) and **launches**: aten ops
 that call no other aten op (what reaches a kernel: `aten::linear` -> `aten::mm` counts once; `_grouped_mm`
-counts once, not the per-expert `mm`s the CPU runs inside it). On CUDA also the
-GPU's idle time within the step (its wall time minus the union of the kernels' intervals) and the grouped
+counts once, not the per-expert `mm`s the CPU runs inside it; with `train.compile` on the CPU, inductor's fused C++
+kernels count too, one launch per call, seen through `torch._inductor.config.cpp.enable_kernel_profile`). On CUDA
+also the GPU's idle time within the step (its wall time minus the union of the kernels' intervals) and the grouped
 GEMM's achieved FLOP/s (FLOPs from the recorded shapes: 2 m k n per call, forward and backward).
 
+Across the regions (issue 69, item 3): `in_graph`, the launches inside a compiled graph's call (aot_autograd's
+`CompiledFunction` forward or backward), so `launches - in_graph` is what ran eagerly between the compiled units;
+and with `--mod-select` (Python stacks recorded) `mod_select`, the eager launches of MoD's per-sublayer selection:
+ops under the calibrator's `select` / `record` or a static `Selection`'s decision (`SELECTION_FRAMES`), i.e. the
+mask, the counts and the histogram update when they run outside a compiled graph.
+
     python tools/bench/step_profile.py configs/paper/nag-r40.yaml [--set key=value ...] [--warm 1] [--json out.json]
+        [--mod-select]
 
 The CPU comparison of docs/benchmarks.md (issue 60): the same command on the parent commit's checkout and on
 this one, at reduced width (`--set model.d_model=128 ...`), eager.
@@ -33,6 +41,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import tempfile
 
@@ -44,6 +53,12 @@ from gpu_check_mod import BACKWARD, SublayerRegions, _inside, _spans  # noqa: E4
 PREFIX = "step_profile."
 REGIONS = ("attention", "moe_gemm", "moe_glue", "ffn", "loss", "optimizer", "stream", "other")
 GROUPED_MM = "aten::_grouped_mm"
+PYTHON_FRAME = re.compile(r"\.py\(\d+\): ")
+GRAPH_CALLS = ("CompiledFunction", "CompiledFunctionBackward")  # aot_autograd's runtime call of a compiled graph
+# MoD's per-sublayer selection, as Python frames (the profiler's `with_stack` events): the calibrator's select and
+# its counts (mod_calibration.py), a static Selection's decision and gather's ExecutedTokens (mod.py)
+SELECTION_FRAMES = re.compile(r"mod_calibration\.py\(\d+\): (select|_select_static|_add_scores|record)$"
+                              r"|/mod\.py\(\d+\): (__init__|resolve|static_decision|_true_rows|mask_BT|counts_1P)$")
 
 
 def sublayer_region(module) -> str:
@@ -84,6 +99,40 @@ def _is_leaf_aten(e) -> bool:
     return e.name.startswith("aten::") and not any(c.name.startswith("aten::") for c in e.cpu_children)
 
 
+def _is_inductor_kernel(e) -> bool:
+    """A fused C++ kernel of a CPU inductor graph (named `graph_N_cpp_fused_...` under enable_kernel_profile)."""
+    return "cpp_fused_" in e.name
+
+
+def _is_python(e) -> bool:
+    """A Python function's event (`with_stack`): `file.py(line): name` or `<built-in ...>`; not an op."""
+    return PYTHON_FRAME.search(e.name) is not None or e.name.startswith("<built-in")
+
+
+def _has_ancestor(e, test) -> bool:
+    parent = e.cpu_parent
+    while parent is not None:
+        if test(parent.name):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _in_graph(e) -> bool:
+    return _has_ancestor(e, lambda name: name in GRAPH_CALLS)
+
+
+def selection_frame(e):
+    """The function of MoD's selection (`SELECTION_FRAMES`) that event `e` runs under, or None."""
+    parent = e.cpu_parent
+    while parent is not None:
+        found = SELECTION_FRAMES.search(parent.name)
+        if found:
+            return found.group(1) or found.group(2)
+        parent = parent.cpu_parent
+    return None
+
+
 def grouped_mm_flops(shapes) -> float:
     """2 m k n of one `_grouped_mm` call from its operand shapes: (m, k) x (E, k, n) (the forward and the input
     gradient) or (k, m) x (m, n) grouped along m (the weight gradient: an (E, k, n) result)."""
@@ -118,7 +167,7 @@ def region_table(events, cuda: bool, wall_s: float | None = None) -> dict:
     the step's totals, the GPU idle time (CUDA) and the grouped GEMM's FLOP/s."""
     from torch.autograd import DeviceType
 
-    host = [e for e in events if e.device_type == DeviceType.CPU]
+    host = [e for e in events if e.device_type == DeviceType.CPU and not _is_python(e)]
     spans, optim = _spans(host, PREFIX), _spans(host, "Optimizer.step")
 
     def busy(e, self_only):
@@ -143,6 +192,7 @@ def region_table(events, cuda: bool, wall_s: float | None = None) -> dict:
     forward = _spans(host, "step_profile:model")
 
     table = {r: {"s": 0.0, "launches": 0} for r in REGIONS}
+    in_graph, mod_select = 0, 0
     gemm_flops, gemm_s = 0.0, 0.0
     for e in host:
         if e.name.startswith(PREFIX) or e.name.startswith("autograd::engine") or e.name.startswith("Optimizer."):
@@ -159,13 +209,16 @@ def region_table(events, cuda: bool, wall_s: float | None = None) -> dict:
         if kind == "moe":
             kind = "moe_gemm" if e.name == GROUPED_MM or in_gemm else "moe_glue"
         table[kind]["s"] += busy(e, True) / 1e6
-        if e.name == GROUPED_MM or (_is_leaf_aten(e) and not in_gemm):
+        if e.name == GROUPED_MM or (_is_leaf_aten(e) and not in_gemm) or _is_inductor_kernel(e):
             table[kind]["launches"] += 1
+            in_graph += _in_graph(e)
+            mod_select += selection_frame(e) is not None
         if e.name == GROUPED_MM:
             gemm_flops += grouped_mm_flops(e.input_shapes)
             gemm_s += busy(e, False) / 1e6
     total_s = sum(r["s"] for r in table.values())
     out = {"regions": table, "total_s": total_s, "launches": sum(r["launches"] for r in table.values()),
+           "in_graph": in_graph, "mod_select": mod_select,
            "grouped_gemm_flops_per_s": gemm_flops / gemm_s if gemm_s > 0 else None, "grouped_gemm_s": gemm_s}
     if cuda:
         kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
@@ -208,9 +261,9 @@ def model_span(model):
             h.remove()
 
 
-def profile_step(trainer, table_path: str | None = None, row_limit: int = 40) -> dict:
+def profile_step(trainer, table_path: str | None = None, row_limit: int = 40, stacks: bool = False) -> dict:
     """One `trainer.train_step()` under torch.profiler (CUDA activity on a GPU): the region table, and the
-    kernel table written to `table_path`."""
+    kernel table written to `table_path`. `stacks`: record Python stacks (the `mod_select` count; slower)."""
     import time
 
     import torch
@@ -220,7 +273,7 @@ def profile_step(trainer, table_path: str | None = None, row_limit: int = 40) ->
     regions = Regions(trainer.model)
     try:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with model_span(trainer.model), profile(activities=activities, record_shapes=True) as prof:
+        with model_span(trainer.model), profile(activities=activities, record_shapes=True, with_stack=stacks) as prof:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -254,9 +307,13 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=None, help="a prepared data dir (default: a small script-made one)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--table", default=None, help="write the kernel table here")
+    ap.add_argument("--mod-select", action="store_true", help="count MoD's eager selection ops (Python stacks)")
     args = ap.parse_args(argv)
 
     import torch
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.enable_kernel_profile = True  # train.compile on the CPU: its fused kernels are launches
 
     from nagmoe.config import load_config
     from nagmoe.train.trainer import Trainer
@@ -278,10 +335,12 @@ def main(argv=None) -> int:
         try:
             for _ in range(args.warm):
                 trainer.train_step()
-            result = profile_step(trainer, args.table)
+            result = profile_step(trainer, args.table, stacks=args.mod_select)
         finally:
             trainer.release_lease()
     print(format_table(result))
+    print(f"launches in compiled graphs {result['in_graph']}, eager {result['launches'] - result['in_graph']}"
+          + (f"; MoD selection ops run eagerly {result['mod_select']}" if args.mod_select else ""))
     if result.get("grouped_gemm_flops_per_s"):
         print(f"grouped GEMM: {result['grouped_gemm_flops_per_s'] / 1e9:.1f} GFLOP/s "
               f"over {result['grouped_gemm_s']:.4f} s")
