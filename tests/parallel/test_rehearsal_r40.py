@@ -22,11 +22,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PAPER = os.path.join(REPO, "configs", "paper")
 
 RSS_BOUND = 1.3
-FIRST, LAST = 2, 4  # phase 1 trains and saves steps 1-2; phase 2 resumes and trains steps 3-4
+# phase 1 trains and saves steps 1-2; phase 2 resumes and trains steps 3-4. A save every step: steps 1 and 3 in the
+# background (train.checkpoint_async auto: on for 2 ranks; its staging copy is in the memory estimate), 2 and 4 last
+FIRST, LAST = 2, 4
 # The paper configs with the rehearsal's small batch and depth. Injection warm-up and MoD start after the first
 # step (512 tokens) so the MoD run skips in phase 2 from calibrated thresholds.
 REHEARSAL = ("data.seq_len=128", "train.batch_tokens=512", "train.micro_batch_tokens=256", "parallel.ep=2",
-             "log.wandb=off", "train.eval_every=0", "train.eval_tokens=2048", "train.checkpoint_every=2",
+             "log.wandb=off", "train.eval_every=0", "train.eval_tokens=2048", "train.checkpoint_every=1",
              "train.keep_checkpoints=2", "model.nag.warmup_tokens=512", "data.num_proc=2", "data.val_fraction=0.05",
              "train.device=cpu", "log.every=1")  # every step a metrics line (the paper configs log every 10)
 MOD = ("model.mod.start_tokens=512",)
