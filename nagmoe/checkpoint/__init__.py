@@ -5,6 +5,9 @@ config, provenance and lease, is nagmoe/rundir/, which this package imports and 
   files.py            the shared step_N/ layout: names, hashing, manifest verification, listing, state.json
   publish.py          the end of every save: state.json + manifest, atomic rename, pruning old checkpoints
   torch_layout.py     the torch engine's checkpoint: DCP tensors (EP experts as DTensors), save and load
+  async_save.py       a torch-engine save in the background: staged, written on a side gloo group, each rank's
+                      own files hashed, rank 0 publishing; at most one in flight, settled collectively
+  save_verdict.py     a failed save's verdict, shared so that every rank raises the same line at once
   deepspeed_layout.py the DeepSpeed engine's files and the whole-model reader of them
   safe_dcp.py         DCP loading without arbitrary unpickling (restricted unpickler, weights_only planner)
   rng.py              every RNG state as JSON; which state a rank restores on another world size
