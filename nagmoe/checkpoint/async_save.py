@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from typing import Callable, Optional
 
 import torch.distributed as dist
@@ -115,10 +114,9 @@ class BackgroundSave:
         self.verdict = verdict
 
     def _write(self, staged: dict, tmp: str) -> None:
-        with warnings.catch_warnings():
-            if not self.distributed:  # DCP warns that it assumes one process: exactly the intent
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
-            dcp.save(staged, storage_writer=dcp_writer(tmp), process_group=self.group, no_dist=not self.distributed)
+        # (in one process DCP warns that it assumes one process; the synchronous path silences that warning, but
+        # warnings.catch_warnings is not thread-safe: from this thread it could drop the main thread's warnings)
+        dcp.save(staged, storage_writer=dcp_writer(tmp), process_group=self.group, no_dist=not self.distributed)
 
     def settle(self) -> Optional[int]:
         """Collective: wait for this rank's save, share every rank's verdict, raise it on every rank (save_verdict:
