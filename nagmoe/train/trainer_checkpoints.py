@@ -54,9 +54,10 @@ class TrainerCheckpoints:
             else:
                 if background is not None:  # the lease confirmed now; rank 0 checks it again before the publish
                     self.fence()
+                fence, lease_check = (self.fence, None) if background is None else (None, self.rundir.confirm_lease)
                 path = save_checkpoint(self.run_dir, step, self.model, self.optim, state, keep=keep,
-                                       shard_plan=self.shard_plan, fence=self.fence if background is None else None,
-                                       background=background, lease_check=self.rundir.confirm_lease)
+                                       shard_plan=self.shard_plan, fence=fence, background=background,
+                                       lease_check=lease_check)
         except BaseException as e:  # DCP raises CheckpointException (a BaseException) for any rank's failure
             reason = save_error(e)
             if reason is None:
