@@ -112,8 +112,9 @@ def files_under(root: str) -> list[str]:
     return sorted(out)
 
 
-def _matching_dirs(run_dir: str, pattern: re.Pattern) -> list[tuple[int, str]]:
-    root = os.path.join(run_dir, CHECKPOINTS)
+def step_dirs(root: str, pattern: re.Pattern = STEP_DIR) -> list[tuple[int, str]]:
+    """(step, path) of the directories under `root` whose name matches `pattern` (default: a published step_N),
+    oldest first; none when `root` does not exist."""
     if not os.path.isdir(root):
         return []
     found = []
@@ -126,12 +127,12 @@ def _matching_dirs(run_dir: str, pattern: re.Pattern) -> list[tuple[int, str]]:
 
 def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     """Published checkpoint directories (valid or not), oldest first; tmp/del directories are ignored."""
-    return _matching_dirs(run_dir, STEP_DIR)
+    return step_dirs(os.path.join(run_dir, CHECKPOINTS))
 
 
 def unfinished_writes(run_dir: str) -> list[tuple[int, str]]:
     """Temporary directories of saves that never published (the process died mid-write), oldest first."""
-    return _matching_dirs(run_dir, TMP_DIR)
+    return step_dirs(os.path.join(run_dir, CHECKPOINTS), TMP_DIR)
 
 
 def verify_checkpoint(path: str) -> dict:

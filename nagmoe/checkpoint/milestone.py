@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from nagmoe.base.errors import UserError, shown
 from nagmoe.checkpoint.async_save import gather_digests, merge_gathered
-from nagmoe.checkpoint.files import (MANIFEST, STEP_DIR, checkpoint_name, extra_with_step, list_checkpoints,
-                                     read_checkpoint_state, verify_checkpoint)
+from nagmoe.checkpoint.files import (MANIFEST, checkpoint_name, extra_with_step, list_checkpoints,
+                                     read_checkpoint_state, step_dirs, verify_checkpoint)
 from nagmoe.checkpoint.publish import is_milestone, new_save_dir, publish_dir, remove_dir, remove_leftovers
 from nagmoe.checkpoint.safe_dcp import safe_dcp_load
 from nagmoe.checkpoint.torch_layout import (_dcp, _distributed, _ep_degree, _on_rank0, _rank, _unwrap_sharded,
@@ -71,23 +71,13 @@ def weights_state(model: nn.Module, dtype: str, shard_plan: Optional[dict] = Non
     return out
 
 
-def _step_dirs(root: str) -> list[tuple[int, str]]:
-    """(step, path) of the published step_N directories under `root`, oldest first."""
-    found = []
-    for name in os.listdir(root) if os.path.isdir(root) else []:
-        m = STEP_DIR.match(name)
-        if m and os.path.isdir(os.path.join(root, name)):
-            found.append((int(m.group(1)), os.path.join(root, name)))
-    return sorted(found)
-
-
 def _publish(tmp: str, final: str, run_dir: str, state: dict, tag: str, known: dict) -> None:
     """publish.publish_dir (state.json, the manifest from `known` and what no rank hashed, one rename over any
     step_N there: a milestone of an abandoned timeline, the run resumed from an earlier checkpoint or started
     over), then, instead of checkpoints/' pruning, the milestones after this step go (that timeline's too: they
     would be kept beside this run's) with the leftovers of crashed milestone saves."""
     publish_dir(tmp, final, run_dir, state, tag, known)
-    for step, path in _step_dirs(os.path.dirname(final)):
+    for step, path in step_dirs(os.path.dirname(final)):
         if step > state["step"]:
             remove_dir(path, tag)
     remove_leftovers(os.path.dirname(final))
@@ -138,7 +128,7 @@ def load_milestone(path: str, model: nn.Module, shard_plan: Optional[dict] = Non
 def list_milestones(run_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every milestone of the run, oldest first: the weights-only ones under milestones/ and the
     full ones (checkpoints marked `extra.milestone`) under checkpoints/; a step with both gives the full one."""
-    found = dict(_step_dirs(os.path.join(run_dir, MILESTONES)))
+    found = dict(step_dirs(os.path.join(run_dir, MILESTONES)))
     found.update((step, path) for step, path in list_checkpoints(run_dir) if is_milestone(path))
     return sorted(found.items())
 

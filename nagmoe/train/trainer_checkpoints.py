@@ -39,8 +39,7 @@ class TrainerCheckpoints:
         settled first: at most one at a time."""
         schedule, step = self.checkpoint_schedule(), self.progress.step
         self.settle_saves()
-        state = {"step": step, "progress": self.progress.as_dict(), "loader": self.loader.state_dict(),
-                 **({"milestone": True} if milestone else {}), **self.routing.extra_state()}
+        state = self._extra_state(milestone)
         refusal = schedule.disk_refusal()
         if refusal is not None:
             schedule.failed(step, refusal, fatal)
@@ -73,6 +72,12 @@ class TrainerCheckpoints:
             self._log(f"checkpoint {path}{what} in {time.perf_counter() - started:.1f} s")
             self._log_checkpoint_size(path)
         return path
+
+    def _extra_state(self, milestone: bool) -> dict:
+        """What a checkpoint or milestone saves besides tensors: the step, progress, the loader's position, the
+        router's state (and the milestone mark)."""
+        return {"step": self.progress.step, "progress": self.progress.as_dict(), "loader": self.loader.state_dict(),
+                **({"milestone": True} if milestone else {}), **self.routing.extra_state()}
 
     def settle_saves(self) -> None:
         """Collective: end the background save in flight, if any (async_save.BackgroundSave.settle). Its I/O
@@ -133,8 +138,7 @@ class TrainerCheckpoints:
         and the milestone is tried again at the next step. The extra state is the one `checkpoint` saves."""
         schedule, step = self.checkpoint_schedule(), self.progress.step
         dtype = self.cfg.train.milestone_dtype
-        state = {"step": step, "progress": self.progress.as_dict(), "loader": self.loader.state_dict(),
-                 "milestone": True, **self.routing.extra_state()}
+        state = self._extra_state(milestone=True)
         started = time.perf_counter()
         try:
             path = save_milestone(self.run_dir, step, self.model, state, dtype, shard_plan=self.shard_plan,
