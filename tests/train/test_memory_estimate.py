@@ -74,7 +74,12 @@ def test_a_background_save_s_staging_copy_is_counted_where_it_lives(micro_config
     assert two["checkpoint_staging"] == two["parameters"] + two["optimizer"] > 0
     assert "checkpoint_staging" in two["parts"] and two["total"] == sum(two[k] for k in two["parts"])
     off = estimate_memory(micro_config("train.checkpoint_async=off"), ep=2, device="cpu", world_size=2)
-    assert off["checkpoint_staging"] == 0 and off["total"] == two["total"] - two["checkpoint_staging"]
+    assert off["checkpoint_staging"] == 0 and off["total"] == sum(off[k] for k in off["parts"])
+    # every part but the staging copy is the same layout's, so the totals differ by the copy; the backward's
+    # transient is measured afresh by each call (the CPU profiler's allocator events), and a fresh model's run
+    # makes a few small allocations more or less (8-120 bytes seen on this VM; one 8-byte difference failed
+    # CI): allow 4 KiB, far below the copy (the micro model's state, ~0.5 MB)
+    assert abs(off["total"] - (two["total"] - two["checkpoint_staging"])) <= 4096 < two["checkpoint_staging"]
     assert estimate_memory(cfg, ep=1, device="cpu", world_size=1)["checkpoint_staging"] == 0
     gpu = estimate_memory(cfg, ep=1, device="cuda", world_size=1)
     assert gpu["checkpoint_staging"] > 0 and "checkpoint_staging" not in gpu["parts"]
