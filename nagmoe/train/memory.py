@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 import sys
 from typing import Optional
@@ -158,10 +159,25 @@ def _peak_bytes(model, idx_BT, rules: Optional[str]) -> int:
     events under the profiler): saved activations plus what the ops hold at once (temporaries, the backward's
     activation gradients). Gradients exist beforehand (zeros, as after the first micro-step), so accumulating
     into them counts only the new gradient each accumulation makes."""
-    from torch.profiler import ProfilerActivity, profile
-
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
+    # Python's collector, run mid-profile, frees earlier probes' cyclic garbage at a varying moment: a few bytes
+    # more or less in the peak from one call to the next (a flaky CI test). Collect first, pause it inside.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        peak = _profiled_peak(model, idx_BT, rules)
+    finally:
+        if was_enabled:
+            gc.enable()
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+def _profiled_peak(model, idx_BT, rules: Optional[str]) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with _rules_scope(rules):
             with _autocast(rules):
@@ -174,7 +190,6 @@ def _peak_bytes(model, idx_BT, rules: Optional[str]) -> int:
     for _, nbytes in events:
         live += nbytes
         peak = max(peak, live)
-    model.zero_grad(set_to_none=True)
     return peak
 
 
