@@ -161,8 +161,9 @@ def _peak_bytes(model, idx_BT, rules: Optional[str]) -> int:
     into them counts only the new gradient each accumulation makes."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    # Python's collector, run mid-profile, frees earlier probes' cyclic garbage at a varying moment: a few bytes
-    # more or less in the peak from one call to the next (a flaky CI test). Collect first, pause it inside.
+    # Python's collector, when it runs inside the profiled window, frees cyclic garbage made there earlier than
+    # otherwise: the peak moved by a few bytes from one call to the next (a flaky CI test). Collect first, pause it
+    # inside, as the trainer does during its steps (nagmoe/train/gc_control.py).
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
