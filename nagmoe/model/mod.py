@@ -103,6 +103,12 @@ def decide(select):
 COUNTS = ("executed", "tokens", "padded")  # the first columns of static_decision's counts; then the histogram
 
 
+def score_bins(score_BT: torch.Tensor, bins: int) -> torch.Tensor:
+    """The histogram bin of each score, flattened: k = clamp(floor(r·K), 0, K-1), K = `bins` (gather's counts and
+    static's decision bin alike, so both calibrate from the same histogram)."""
+    return (score_BT.reshape(-1).float() * bins).long().clamp(0, bins - 1)
+
+
 def static_decision(score_BT: torch.Tensor, threshold_n: torch.Tensor, skipping_n: torch.Tensor,
                     index_1: torch.Tensor, bins: int, histogram: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Static MoD's decision for one call of sublayer l = `index_1` (a (1,) device index into the calibrator's
@@ -121,7 +127,7 @@ def static_decision(score_BT: torch.Tensor, threshold_n: torch.Tensor, skipping_
     padded = counts_B.amax() * B if B else executed
     parts = [torch.stack([executed, torch.full_like(executed, score_BT.numel()), padded]).to(torch.float64)]
     if histogram:
-        bin_N = (score_BT.reshape(-1).float() * bins).long().clamp(0, bins - 1)
+        bin_N = score_bins(score_BT, bins)
         ones_N = torch.ones(bin_N.shape, dtype=torch.float64, device=bin_N.device)
         parts.append(torch.zeros(bins, dtype=torch.float64, device=bin_N.device).index_add(0, bin_N, ones_N))
     return mask_BT, torch.cat(parts).unsqueeze(0)

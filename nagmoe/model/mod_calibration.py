@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from nagmoe.base.errors import UserError
-from nagmoe.model.mod import COUNTS, ExecutedTokens, Selection, resolve_mod_impl
+from nagmoe.model.mod import COUNTS, ExecutedTokens, Selection, resolve_mod_impl, score_bins
 
 EXECUTE_ALL = -1.0  # a threshold below every score (r >= 0)
 THRESHOLD_MODES = ("global", "per_sublayer", "fixed")
@@ -249,7 +249,7 @@ class MoDCalibrator(nn.Module):
         """Gather's counts of sublayer `index` (static's: `record`): the score histogram, tokens, executed tokens
         and padded query rows (python ints or device tensors alike) for training; executed and tokens otherwise."""
         if self.training:
-            bin_N = (score_BT.reshape(-1).float() * self.bins).long().clamp_(0, self.bins - 1)
+            bin_N = score_bins(score_BT, self.bins)
             hist_K = self.pending_hist[index]  # index_add_, not bincount: no output-size read
             hist_K.index_add_(0, bin_N, torch.ones(bin_N.shape, dtype=hist_K.dtype, device=hist_K.device))
             self.pending_tokens[index] += score_BT.numel()
