@@ -119,7 +119,7 @@ def compiled_static_vs_gather_steps():
     from nagmoe.parallel.mesh import ParallelMesh
     from nagmoe.train.speed import compile_model
     from nagmoe.train.sync_count import SyncCounter
-    from mod_models import B, T, batch, r40_small, step
+    from mod_models import B, T, batch, r40_small, recording_backend, step
 
     rank, W = dist.get_rank(), dist.get_world_size()
     cfg = Config()
@@ -137,14 +137,8 @@ def compiled_static_vs_gather_steps():
     moe_calls = [0]
     for layer in moe_layers:
         layer.register_forward_pre_hook(lambda *_: moe_calls.__setitem__(0, moe_calls[0] + 1))
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g)(
-            gm, example_inputs)
-
-    compile_model(models["static"], backend=counting_backend)
+    backend, graphs, _, _ = recording_backend()
+    compile_model(models["static"], backend=backend)
     compile_model(models["gather"], backend="aot_eager")
     cal = models["static"].stream.mod
     out = {"graphs": [], "skipping": [], "errors": [], "thresholds": [], "sent": [], "breaks": {}}

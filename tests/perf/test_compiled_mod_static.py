@@ -6,21 +6,15 @@ import torch
 
 from nagmoe.train.speed import compile_model
 from nagmoe.train.sync_count import SyncCounter
-from mod_models import B, T, batch, r40_small, step, with_edge_rows
+from mod_models import B, T, batch, r40_small, recording_backend, step, with_edge_rows
 
 
 def test_static_mod_compiles_once_across_the_skip_start():
     torch._dynamo.reset()
     model = with_edge_rows(r40_small("static", **{"model.mod.start_tokens": 2 * B * T}))
     model.train()
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g)(
-            gm, example_inputs)
-
-    compile_model(model, backend=counting_backend)
+    backend, graphs, _, _ = recording_backend()
+    compile_model(model, backend=backend)
     cal = model.stream.mod
     per_step, thresholds, skipping = [], [], []
     for i in range(7):
@@ -54,15 +48,8 @@ def test_static_mod_bf16_keeps_grouped_mm_in_the_graph_across_the_skip_start():
     counters.clear()
     model = with_edge_rows(r40_small("static", **{"model.mod.start_tokens": 2 * B * T}))
     model.train()
-    graphs, fw_graphs, bw_graphs = [], [], []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda g, _: fw_graphs.append(g) or g,
-                                                          bw_compiler=lambda g, _: bw_graphs.append(g) or g)(
-            gm, example_inputs)
-
-    compile_model(model, backend=counting_backend)
+    backend, graphs, fw_graphs, bw_graphs = recording_backend()
+    compile_model(model, backend=backend)
     cal = model.stream.mod
     per_step, skipping = [], []
     for i in range(7):
@@ -114,14 +101,8 @@ def test_static_mod_decides_inside_the_sublayer_graphs():
     counters.clear()
     model = r40_small("static", **{"model.mod.start_tokens": 2 * B * T})
     model.train()
-    graphs, fw_graphs = [], []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda g, _: fw_graphs.append(g) or g,
-                                                          bw_compiler=lambda g, _: g)(gm, example_inputs)
-
-    compile_model(model, backend=counting_backend)
+    backend, graphs, fw_graphs, _ = recording_backend()
+    compile_model(model, backend=backend)
     cal = model.stream.mod
     per_step, skipping = [], []
     for i in range(7):

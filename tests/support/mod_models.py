@@ -1,5 +1,5 @@
 """The paper's nag-mod20-r40 layout at reduced width, with the MoD helpers the static-MoD tests share
-(tests/model/test_mod_static.py, tests/perf/test_compiled_mod_static.py)."""
+(tests/model/test_mod_static.py, tests/perf/test_compiled_mod_static.py, tests/parallel/test_ep_mod_static.py)."""
 import os
 
 import torch
@@ -55,6 +55,20 @@ def dialled(model, rate):
     model.mod_update()
     model.set_mod_skip_rate(rate)
     return model
+
+
+def recording_backend():
+    """An aot_eager compile backend that keeps what it is given: `(backend, graphs, fw_graphs, bw_graphs)`, dynamo's
+    graphs and the forward and backward graphs aot_autograd traces from them (as inductor would get them)."""
+    graphs, fw_graphs, bw_graphs = [], [], []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda g, _: fw_graphs.append(g) or g,
+                                                          bw_compiler=lambda g, _: bw_graphs.append(g) or g)(
+            gm, example_inputs)
+
+    return backend, graphs, fw_graphs, bw_graphs
 
 
 def step(model, idx, targets):
